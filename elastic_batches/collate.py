@@ -1,0 +1,124 @@
+"""The elastic collate: runs in DataLoader workers and turns each batch into an ``ElasticBatch``.
+
+It calls the user's ``collate_fn`` (or torch's default collate, extended with the functions
+given to :func:`register_collate`) and takes the result apart with the batch-type registry. It
+pickles both registries along, so that registrations made in ``__main__`` apply in workers
+started with ``spawn`` (registrations whose functions cannot be pickled, such as lambdas, stay
+behind: use module-level functions with ``spawn``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from torch.utils.data._utils.collate import collate, default_collate_fn_map, default_convert
+
+from elastic_batches.batch import ElasticBatch
+from elastic_batches.structures import install_batch_types, registered_batch_types
+
+__all__ = ["ElasticCollate", "register_collate"]
+
+_COLLATE_FNS: dict[type, Callable[..., Any]] = {}
+
+_V = TypeVar("_V")
+
+
+def _picklable(registry: Mapping[type, _V]) -> dict[type, _V]:
+    """The entries that can travel to a ``spawn`` worker (lambdas and local functions cannot)."""
+    kept = {}
+    for cls, value in registry.items():
+        try:
+            pickle.dumps((cls, value))
+        except Exception:  # noqa: BLE001 - any pickling failure means the entry stays behind
+            continue
+        kept[cls] = value
+    return kept
+
+
+def register_collate(cls: type, collate_fn: Callable[..., Any]) -> None:
+    """Collate samples of type ``cls`` with ``collate_fn`` in the loader's default collate.
+
+    Follows torch's ``collate_fn_map`` convention: ``collate_fn(samples, *, collate_fn_map=None)``
+    receives the list of one field's values across the samples and returns the batched value.
+    Applies to loaders that use the default collate (no ``collate_fn`` of their own), in the
+    main process and in workers, ``spawn`` included. Combine it with
+    :func:`register_batch_type` when the batched value is of a type the library cannot split.
+
+    Args:
+        cls: The sample field type (matched with ``isinstance``).
+        collate_fn: The function that batches a list of such values.
+
+    Raises:
+        TypeError: ``cls`` is not a class, or ``collate_fn`` is not callable.
+
+    Example:
+        >>> import torch
+        >>> import elastic_batches as eb
+        >>> class Point:
+        ...     def __init__(self, xy):
+        ...         self.xy = xy
+        >>> eb.register_collate(Point, lambda points, *, collate_fn_map=None: torch.stack([p.xy for p in points]))
+        >>> eb.ElasticCollate()([Point(torch.zeros(2)), Point(torch.ones(2))]).data["batch"].shape
+        torch.Size([2, 2])
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_collate expects a class, got {cls!r}")
+    if not callable(collate_fn):
+        raise TypeError(f"register_collate({cls.__qualname__}): collate_fn must be callable, got {collate_fn!r}")
+    _COLLATE_FNS[cls] = collate_fn
+
+
+def _install_collate_fns(registry: Mapping[type, Callable[..., Any]]) -> None:
+    for cls, fn in registry.items():
+        _COLLATE_FNS.setdefault(cls, fn)
+
+
+class ElasticCollate:
+    """A picklable collate function that returns :class:`ElasticBatch` objects.
+
+    Args:
+        collate_fn: The user's collate function; ``None``: torch's default collate (or
+            ``default_convert`` without automatic batching), extended by :func:`register_collate`.
+        auto_collation: ``False`` when the DataLoader's dataset yields whole batches
+            (``batch_size=None``).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches import ElasticCollate
+        >>> batch = ElasticCollate()([{"x": torch.zeros(3), "y": 0}, {"x": torch.ones(3), "y": 1}])
+        >>> batch.unwrap()["y"]
+        tensor([0, 1])
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None, *, auto_collation: bool = True) -> None:
+        if isinstance(collate_fn, ElasticCollate):
+            collate_fn = collate_fn.collate_fn
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"ElasticCollate: collate_fn must be callable or None, got {collate_fn!r}")
+        self.collate_fn = collate_fn
+        self.auto_collation = auto_collation
+
+    def __call__(self, samples: Any) -> ElasticBatch:
+        if self.collate_fn is not None:
+            batch = self.collate_fn(samples)
+        elif self.auto_collation:
+            batch = collate(samples, collate_fn_map={**default_collate_fn_map, **_COLLATE_FNS})
+        else:
+            batch = default_convert(samples)
+        return ElasticBatch.wrap(batch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "collate_fn": self.collate_fn,
+            "auto_collation": self.auto_collation,
+            "batch_types": _picklable(registered_batch_types()),
+            "collate_fns": _picklable(_COLLATE_FNS),
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        install_batch_types(state["batch_types"])
+        _install_collate_fns(state["collate_fns"])
+        self.collate_fn = state["collate_fn"]
+        self.auto_collation = state["auto_collation"]

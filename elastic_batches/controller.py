@@ -1,0 +1,329 @@
+"""``SplitController``: how many microbatches a batch is cut into, learned from OOMs.
+
+The controller is the feedback channel between the loader (which tags batches with
+``split_count``) and the step side (which reports each success and each OOM). It learns in
+*microbatch sizes* (rows per microbatch), so that what it learned on one batch size applies to
+another, and turns a size into the smallest count that respects it: ``ceil(rows / size)``.
+
+The search:
+
+1. An OOM at size ``s`` with no size known to fit halves: the next size is ``s // 2``.
+2. Once a size fits and a larger one failed, each following step probes the middle of the
+   interval ``[fits, fails)``, until ``fits >= 0.9 * (fails - 1)``: the settled size is then at
+   least 90% of the largest that fits, and it never OOMs again while memory stays as it is.
+3. With ``grow_after=N``, after ``N`` steps without OOM it probes one microbatch fewer; an OOM
+   there falls back to the settled count, and the batch is retried, not lost.
+4. An OOM at a size that fitted before means memory shrank: what fitted is forgotten and the
+   search halves again from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["ElasticOOMError", "SplitController"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+_STATE_KEYS = frozenset(
+    {
+        "version",
+        "start_split_count",
+        "fits",
+        "fails",
+        "last_rows",
+        "steps_since_oom",
+        "grow_pending",
+        "oom_count",
+        "retry_count",
+        "discarded_microbatches",
+    }
+)
+
+
+class ElasticOOMError(torch.OutOfMemoryError):
+    """Out of memory where splitting cannot help: at the smallest microbatch, or outside the microbatches."""
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"SplitController: {name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+
+
+class SplitController:
+    """Learns the split count that makes each batch fit, shared by the loader and the step.
+
+    Args:
+        split_count: The count to start with, before anything was learned.
+        min_microbatch_size: Never cut microbatches smaller than this many rows; an OOM at this
+            size raises :class:`ElasticOOMError`.
+        max_split_count: Never cut a batch into more microbatches than this; an OOM at this count
+            raises :class:`ElasticOOMError`. ``None``: no limit but the batch's rows.
+        grow_after: After this many steps without an OOM, probe one microbatch fewer (memory may
+            have grown: shorter sequences, freed buffers). ``None`` (default): never probe.
+
+    Attributes:
+        oom_count: OOMs reported, the final one of a failed step included.
+        retry_count: Batches retried after an OOM.
+        discarded_microbatches: Microbatches whose forward/backward work was thrown away because
+            an OOM struck later in the same attempt (the failing one included).
+
+    Example:
+        >>> from elastic_batches import SplitController
+        >>> controller = SplitController()
+        >>> controller.plan(256)
+        1
+        >>> controller.record_oom(size=256, rows=256, discarded=1)
+        >>> controller.plan(256)
+        2
+        >>> controller.record_success(size=128, rows=256)
+        >>> controller.plan(256)  # probes between 128 (fits) and 256 (failed)
+        2
+        >>> controller.split_count, controller.microbatch_size
+        (2, 128)
+    """
+
+    def __init__(
+        self,
+        split_count: int = 1,
+        *,
+        min_microbatch_size: int = 1,
+        max_split_count: int | None = None,
+        grow_after: int | None = None,
+    ) -> None:
+        _positive_int("split_count", split_count)
+        _positive_int("min_microbatch_size", min_microbatch_size)
+        _positive_int("max_split_count", max_split_count, allow_none=True)
+        _positive_int("grow_after", grow_after, allow_none=True)
+        if max_split_count is not None and split_count > max_split_count:
+            raise ValueError(
+                f"SplitController: split_count={split_count} exceeds max_split_count={max_split_count}; "
+                "lower split_count or raise max_split_count"
+            )
+        self.min_microbatch_size = min_microbatch_size
+        self.max_split_count = max_split_count
+        self.grow_after = grow_after
+        self._start_split_count = split_count
+        self._fits = 0  # largest microbatch size (rows) that completed a step; 0: none yet
+        self._fails: int | None = None  # smallest microbatch size that ran out of memory
+        self._last_rows: int | None = None
+        self._steps_since_oom = 0
+        self._grow_pending = False
+        self._tried: list[int] = []  # sizes that failed on the current batch, for error messages
+        self.oom_count = 0
+        self.retry_count = 0
+        self.discarded_microbatches = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SplitController(split_count={self.split_count}, microbatch_size={self.microbatch_size}, "
+            f"fits={self._fits}, fails={self._fails}, oom_count={self.oom_count})"
+        )
+
+    # -- what to use --------------------------------------------------------------------------
+
+    @property
+    def split_count(self) -> int:
+        """The count for the most recent batch (the starting count before any batch was seen)."""
+        if self._last_rows is None:
+            return self._start_split_count
+        return self.count_for(self._last_rows)
+
+    @property
+    def microbatch_size(self) -> int | None:
+        """The largest microbatch (rows) the controller uses now; ``None`` before anything was learned."""
+        if self._fits:
+            return self._fits
+        if self._fails is not None:
+            return max(self.min_microbatch_size, self._fails // 2)
+        return None
+
+    def count_for(self, rows: int) -> int:
+        """The settled count for a batch of ``rows`` rows, without probing (what the loader tags).
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> controller = SplitController(split_count=3)
+            >>> controller.count_for(10)
+            3
+        """
+        return self._clamp(rows, self._settled_count(rows))
+
+    def plan(self, rows: int) -> int:
+        """The count to try next on a batch of ``rows`` rows; may probe a larger microbatch.
+
+        Args:
+            rows: The batch's rows on this process.
+
+        Returns:
+            A count between 1 and ``rows``.
+        """
+        _positive_int("rows", rows)
+        self._last_rows = rows
+        settled = self._settled_count(rows)
+        count = settled
+        if self._grow_pending:
+            count = settled - 1
+        elif self._fits and self._fails is not None and 10 * self._fits < 9 * (self._fails - 1):
+            count = math.ceil(rows / ((self._fits + self._fails) // 2))
+            if count >= settled:
+                count = settled - 1
+            if count < 1 or math.ceil(rows / count) >= self._fails:
+                count = settled  # no count of this batch falls strictly between fits and fails
+        return self._clamp(rows, max(count, 1))
+
+    def _settled_count(self, rows: int) -> int:
+        if self._fits:
+            return math.ceil(rows / self._fits)
+        if self._fails is not None:
+            return math.ceil(rows / max(1, self._fails // 2))
+        return self._start_split_count
+
+    def _clamp(self, rows: int, count: int) -> int:
+        count = min(count, rows, max(1, rows // self.min_microbatch_size))
+        if self.max_split_count is not None:
+            count = min(count, self.max_split_count)
+        return max(count, 1)
+
+    # -- what happened ------------------------------------------------------------------------
+
+    def record_success(self, size: int, rows: int) -> None:
+        """Report a step whose largest microbatch had ``size`` rows (all ranks: the smallest of them).
+
+        Args:
+            size: Rows of the largest microbatch of the step that completed.
+            rows: The batch's rows.
+        """
+        before = self.split_count
+        self._fits = max(self._fits, size)
+        if self._fails is not None and self._fits >= self._fails:
+            self._fails = None  # memory grew past an old failure
+        self._last_rows = rows
+        self._tried.clear()
+        self._grow_pending = False
+        self._steps_since_oom += 1
+        if self.grow_after is not None and self._steps_since_oom >= self.grow_after and self.count_for(rows) > 1:
+            self._grow_pending = True
+            self._steps_since_oom = 0
+        after = self.split_count
+        if after != before:
+            logger.info(
+                "microbatch size %d fits: now %d microbatches of at most %d for a batch of %d",
+                size,
+                after,
+                math.ceil(rows / after),
+                rows,
+            )
+
+    def record_oom(self, size: int, rows: int, discarded: int = 0) -> None:
+        """Report an OOM on a step whose largest microbatch had ``size`` rows, and learn from it.
+
+        Args:
+            size: Rows of the largest microbatch of the attempt that ran out of memory (all
+                ranks: the smallest size among the ranks that ran out).
+            rows: The batch's rows.
+            discarded: Microbatches of the attempt whose work was thrown away.
+
+        Raises:
+            ElasticOOMError: no smaller microbatch is allowed (size 1, ``min_microbatch_size``,
+                ``max_split_count``); the message says the batch size and what was tried.
+        """
+        before = self.split_count
+        self.oom_count += 1
+        self.discarded_microbatches += discarded
+        self._tried.append(size)
+        self._grow_pending = False
+        self._steps_since_oom = 0
+        count = math.ceil(rows / size)
+        at_limit = size <= self.min_microbatch_size or (
+            self.max_split_count is not None and count >= self.max_split_count
+        )
+        if at_limit:
+            tried = ", ".join(str(s) for s in self._tried)
+            self._tried.clear()
+            raise ElasticOOMError(
+                f"out of memory on a batch of {rows} rows even at microbatch size {size} ({count} microbatches); "
+                f"microbatch sizes tried on this batch: {tried}. Splitting cannot help further "
+                f"(min_microbatch_size={self.min_microbatch_size}, max_split_count={self.max_split_count}): "
+                "lower the batch size or free memory"
+            )
+        self._fails = size if self._fails is None else min(self._fails, size)
+        if self._fits >= size:
+            self._fits = 0  # memory shrank: what fitted before does not any more
+        self.retry_count += 1
+        self._last_rows = rows
+        after = self.plan(rows)
+        logger.info(
+            "OOM at microbatch size %d of %d: now %d microbatches of at most %d (split count %d -> %d)",
+            size,
+            rows,
+            after,
+            math.ceil(rows / after),
+            before,
+            after,
+        )
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the controller learned and counted, as plain values.
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> a = SplitController()
+            >>> a.record_oom(size=64, rows=64)
+            >>> b = SplitController()
+            >>> b.load_state_dict(a.state_dict())
+            >>> b.plan(64), b.oom_count
+            (2, 1)
+        """
+        return {
+            "version": _STATE_VERSION,
+            "start_split_count": self._start_split_count,
+            "fits": self._fits,
+            "fails": self._fails,
+            "last_rows": self._last_rows,
+            "steps_since_oom": self._steps_since_oom,
+            "grow_pending": self._grow_pending,
+            "oom_count": self.oom_count,
+            "retry_count": self.retry_count,
+            "discarded_microbatches": self.discarded_microbatches,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: keys are missing or unexpected (both are named), or the version is not
+                one this code writes.
+        """
+        missing = sorted(_STATE_KEYS - state.keys())
+        unexpected = sorted(state.keys() - _STATE_KEYS)
+        if missing or unexpected:
+            raise ValueError(
+                f"SplitController.load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
+                "pass a dict produced by SplitController.state_dict()"
+            )
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(
+                f"SplitController.load_state_dict: state version {state['version']!r} is not supported "
+                f"(this elastic_batches writes version {_STATE_VERSION})"
+            )
+        self._start_split_count = int(state["start_split_count"])
+        self._fits = int(state["fits"])
+        self._fails = None if state["fails"] is None else int(state["fails"])
+        self._last_rows = None if state["last_rows"] is None else int(state["last_rows"])
+        self._steps_since_oom = int(state["steps_since_oom"])
+        self._grow_pending = bool(state["grow_pending"])
+        self._tried.clear()
+        self.oom_count = int(state["oom_count"])
+        self.retry_count = int(state["retry_count"])
+        self.discarded_microbatches = int(state["discarded_microbatches"])

@@ -1,0 +1,179 @@
+"""``MicrobatchingDataLoader``: a DataLoader whose batches can be cut into microbatches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data._utils.collate import default_collate, default_convert
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from elastic_batches.batch import ElasticBatch
+from elastic_batches.collate import ElasticCollate
+from elastic_batches.controller import SplitController
+
+__all__ = ["MicrobatchingDataLoader"]
+
+_STATE_VERSION = 1
+_STATE_KEYS = frozenset({"version", "loader", "controller"})
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+def _accelerator_present() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()  # pragma: no cover - torch < 2.6
+
+
+def _arguments_of(loader: DataLoader) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``loader`` (without mutating it)."""
+    if type(loader) not in (DataLoader, StatefulDataLoader) and not isinstance(loader, MicrobatchingDataLoader):
+        raise TypeError(
+            f"MicrobatchingDataLoader cannot wrap a {type(loader).__qualname__}: its own iteration logic would be "
+            "lost. Pass its dataset and arguments instead: MicrobatchingDataLoader(dataset, batch_size=..., ...)"
+        )
+    collate_fn = loader.collate_fn
+    if collate_fn in (default_collate, default_convert):
+        collate_fn = None
+    arguments: dict[str, Any] = {
+        "dataset": loader.dataset,
+        "num_workers": loader.num_workers,
+        "collate_fn": collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+        "in_order": getattr(loader, "in_order", True),
+    }
+    if isinstance(loader, StatefulDataLoader):
+        arguments["snapshot_every_n_steps"] = loader.snapshot_every_n_steps
+    if isinstance(loader.dataset, IterableDataset):
+        arguments.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif loader.batch_sampler is None:
+        arguments.update(sampler=loader.sampler, batch_size=None)
+    elif type(loader.batch_sampler) is BatchSampler:
+        arguments.update(sampler=loader.sampler, batch_size=loader.batch_size, drop_last=loader.drop_last)
+    else:
+        arguments.update(batch_sampler=loader.batch_sampler, batch_size=1, drop_last=False)
+    return arguments
+
+
+class MicrobatchingDataLoader(StatefulDataLoader):
+    """A DataLoader that yields :class:`ElasticBatch` objects tagged with the current split count.
+
+    Give it an existing ``torch.utils.data.DataLoader`` or torchdata ``StatefulDataLoader`` (it is
+    rebuilt from its arguments; the original is left untouched), or a dataset and the usual
+    DataLoader arguments. It *is* a ``StatefulDataLoader``: ``len()``, workers, samplers,
+    Lightning's ``DistributedSampler`` injection and mid-epoch ``state_dict()`` work as usual.
+
+    Each batch is collated as the plain loader would (the same ``collate_fn``), taken apart into a
+    row-splittable ``TensorDict`` in the worker, and tagged in the main process, when it is
+    yielded, with the count its :class:`SplitController` holds for its size.
+
+    Args:
+        dataset: A dataset, or a ``DataLoader`` / ``StatefulDataLoader`` to wrap.
+        batch_size: Rows per batch (the batch you want to optimise with). When wrapping a
+            loader, defaults to the loader's.
+        controller: The :class:`SplitController` shared with the step side; a new one by default
+            (or the wrapped ``MicrobatchingDataLoader``'s).
+        **dataloader_kwargs: Any other ``DataLoader`` / ``StatefulDataLoader`` argument; when
+            wrapping a loader they override its own. ``pin_memory=True`` is ignored when no
+            accelerator is present (pinning needs one).
+
+    Raises:
+        TypeError: ``dataset`` is a DataLoader subclass with its own iteration logic.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import elastic_batches as eb
+        >>> plain = DataLoader(TensorDataset(torch.randn(20, 3), torch.arange(20)), batch_size=8)
+        >>> loader = eb.MicrobatchingDataLoader(plain, controller=eb.SplitController(split_count=2))
+        >>> batch = next(iter(loader))
+        >>> len(loader), len(batch), batch.split_count
+        (3, 8, 2)
+        >>> [len(mb) for mb in batch.microbatches()]
+        [4, 4]
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = _UNSET,
+        *,
+        controller: SplitController | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if isinstance(dataset, DataLoader):
+            if controller is None and isinstance(dataset, MicrobatchingDataLoader):
+                controller = dataset.controller
+            arguments = _arguments_of(dataset)
+        else:
+            arguments = {"dataset": dataset, "batch_size": 1}
+        if batch_size is not _UNSET:
+            arguments["batch_size"] = batch_size
+        if "sampler" in dataloader_kwargs or "batch_sampler" in dataloader_kwargs or "shuffle" in dataloader_kwargs:
+            for key in ("sampler", "batch_sampler"):
+                arguments.pop(key, None)
+            if dataloader_kwargs.get("batch_sampler") is not None:
+                arguments.pop("batch_size", None)
+                arguments.pop("drop_last", None)
+        arguments.update(dataloader_kwargs)
+        if arguments.get("pin_memory") and not _accelerator_present():
+            arguments["pin_memory"] = False
+        if controller is not None and not isinstance(controller, SplitController):
+            raise TypeError(
+                f"MicrobatchingDataLoader: controller must be an elastic_batches.SplitController, got {controller!r}"
+            )
+        auto_collation = arguments.get("batch_size", 1) is not None or arguments.get("batch_sampler") is not None
+        arguments["collate_fn"] = ElasticCollate(arguments.get("collate_fn"), auto_collation=auto_collation)
+        self.controller = controller if controller is not None else SplitController()
+        super().__init__(**arguments)
+
+    def __iter__(self) -> Iterator[ElasticBatch]:  # type: ignore[override]
+        return self._tagged(super().__iter__())
+
+    def _tagged(self, batches: Iterator[Any]) -> Iterator[ElasticBatch]:
+        controller = self.controller
+        for batch in batches:
+            batch.split_count = controller.count_for(len(batch))
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch (inner loader) and what the controller learned."""
+        return {"version": _STATE_VERSION, "loader": super().state_dict(), "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output: the next ``iter()`` resumes where it was saved.
+
+        Raises:
+            ValueError: keys are missing or unexpected, or the version is unknown.
+        """
+        missing = sorted(_STATE_KEYS - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - _STATE_KEYS)
+        if missing or unexpected:
+            raise ValueError(
+                f"MicrobatchingDataLoader.load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
+                "pass a dict produced by MicrobatchingDataLoader.state_dict()"
+            )
+        if state_dict["version"] != _STATE_VERSION:
+            raise ValueError(
+                f"MicrobatchingDataLoader.load_state_dict: state version {state_dict['version']!r} is not supported "
+                f"(this elastic_batches writes version {_STATE_VERSION})"
+            )
+        super().load_state_dict(state_dict["loader"])
+        self.controller.load_state_dict(state_dict["controller"])

@@ -1,0 +1,201 @@
+"""``ElasticStep``: runs a batch as microbatches, retries it on OOM, leaves the full-batch gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_batches.batch import ElasticBatch, Microbatch
+from elastic_batches.controller import ElasticOOMError, SplitController
+from elastic_batches.distributed import ERROR, OK, OOM, GradientSync, gradient_sync_for
+from elastic_batches.oom import is_oom_error, release_memory
+
+__all__ = ["ElasticStep"]
+
+LossFn = Callable[[Any], torch.Tensor]
+CountFn = Callable[[Any], "torch.Tensor | int | float"]
+
+
+@dataclasses.dataclass
+class _Attempt:
+    status: int
+    size: int  # rows of the largest microbatch
+    total: float  # rows, or counted items with count_fn
+    started: int  # microbatches started
+    loss: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class ElasticStep:
+    """Runs forward and backward of a batch as microbatches, so that it fits in memory.
+
+    ``backward`` cuts the batch into as many microbatches as its :class:`SplitController` says,
+    runs ``loss_fn`` on each and backpropagates ``loss * weight``; when any microbatch runs out
+    of memory (forward or backward), the partial work is thrown away, the controller raises the
+    count, and the same batch is retried. The gradients left in ``.grad`` are those of the mean
+    loss over the whole batch (over all ranks' batches under DDP), added to any gradient that
+    was already there.
+
+    Every parameter ``loss_fn`` uses must belong to ``model``: their gradients are the ones set
+    aside and restored around a retry.
+
+    Args:
+        model: The module trained (a plain module, or DDP-wrapped).
+        controller: The controller shared with the loader (``loader.controller``); a new one by
+            default.
+        grad_scaler: A ``torch.amp.GradScaler``; every microbatch loss is scaled by it before
+            backward. Autocast stays in ``loss_fn``.
+
+    Example:
+        >>> import torch
+        >>> import elastic_batches as eb
+        >>> model = torch.nn.Linear(3, 1)
+        >>> step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+        >>> batch = (torch.randn(10, 3), torch.randn(10, 1))
+        >>> loss = step.backward(batch, lambda mb: torch.nn.functional.mse_loss(model(mb[0]), mb[1]))
+        >>> reference = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+        >>> torch.allclose(loss, reference)
+        True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        controller: SplitController | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ElasticStep expects an nn.Module as model, got {type(model).__qualname__}")
+        if controller is not None and not isinstance(controller, SplitController):
+            raise TypeError(f"ElasticStep: controller must be an elastic_batches.SplitController, got {controller!r}")
+        self.model = model
+        self.controller = controller if controller is not None else SplitController()
+        self.grad_scaler = grad_scaler
+        self._sync: GradientSync | None = None
+
+    @property
+    def sync(self) -> GradientSync:
+        """The rank-agreement and gradient-sync scheme, chosen at the first step."""
+        if self._sync is None:
+            self._sync = gradient_sync_for(self.model)
+        return self._sync
+
+    def backward(self, batch: ElasticBatch | Any, loss_fn: LossFn, *, count_fn: CountFn | None = None) -> torch.Tensor:
+        """Accumulate the gradient of the batch's mean loss, in as many microbatches as it takes.
+
+        Args:
+            batch: An :class:`ElasticBatch` (from a ``MicrobatchingDataLoader``) or any batch
+                structure it can take apart.
+            loss_fn: ``microbatch -> loss``: receives the microbatch in the user's own structure
+                and returns its loss as a mean over the microbatch's samples (or over the items
+                ``count_fn`` counts).
+            count_fn: ``microbatch -> number`` of items the microbatch's loss is a mean over (for
+                instance non-ignored tokens). Microbatch weights become ``count_i / sum(counts)``
+                over the batch (and over all ranks), so a token-mean loss is exact. ``None``:
+                weights by rows.
+
+        Returns:
+            The batch's mean loss on this rank, detached.
+
+        Raises:
+            ElasticOOMError: out of memory even at the smallest microbatch allowed.
+            RuntimeError: under several ranks, another rank's ``loss_fn`` raised (this rank
+                stops too instead of waiting).
+            ValueError: the batch is empty, or ``loss_fn`` returned a non-scalar.
+            Exception: anything else ``loss_fn`` raises, unchanged; ``.grad`` and the controller are
+                then as they were before the call.
+        """
+        batch = ElasticBatch.wrap(batch)
+        rows = len(batch)
+        if rows == 0:
+            raise ValueError("ElasticStep.backward: the batch is empty (0 rows); skip empty batches before the step")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        stashed = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        merged = False
+        try:
+            while True:
+                count = min(rows, max(batch.split_count, self.controller.plan(rows)))
+                attempt = self._attempt(batch, count, loss_fn, count_fn)
+                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total)
+                if verdict.status == OK:
+                    break
+                for p in params:
+                    p.grad = None
+                if attempt.error is not None and attempt.status == ERROR:
+                    raise attempt.error
+                if verdict.status == ERROR:
+                    raise RuntimeError(
+                        f"ElasticStep.backward: rank(s) {list(verdict.error_ranks)} raised an error in loss_fn or "
+                        "backward; this rank stops too instead of waiting for them"
+                    )
+                oom = attempt.error
+                release_memory(oom)
+                del attempt
+                try:
+                    self.controller.record_oom(verdict.oom_size, rows, discarded=count)
+                except ElasticOOMError as err:
+                    raise err from oom
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            self.sync.reduce(grads, verdict.scale)
+            for p, new, old in zip(params, grads, stashed, strict=True):
+                if old is None:
+                    p.grad = new
+                else:
+                    old.add_(new)
+                    p.grad = old
+            merged = True
+            self.controller.record_success(verdict.size, rows)
+            assert attempt.loss is not None
+            return attempt.loss
+        finally:
+            if not merged:
+                for p, old in zip(params, stashed, strict=True):
+                    p.grad = old
+
+    def _attempt(self, batch: ElasticBatch, count: int, loss_fn: LossFn, count_fn: CountFn | None) -> _Attempt:
+        microbatches = list(batch.microbatches(count))
+        size = len(microbatches[0])
+        if count_fn is None:
+            total = float(len(batch))
+        else:
+            counts = [float(count_fn(mb.unwrap())) for mb in microbatches]
+            total = sum(counts)
+            microbatches = [
+                dataclasses.replace(mb, weight=c / total if total else 0.0)
+                for mb, c in zip(microbatches, counts, strict=True)
+            ]
+        started = 0
+        loss = torch.zeros(())
+        try:
+            with self.sync.microbatches():
+                for mb in microbatches:
+                    started += 1
+                    if mb.weight == 0.0:
+                        continue  # nothing to count in it: its loss would be 0/0
+                    loss = loss + self._run(mb, loss_fn)
+        except Exception as err:
+            status = OOM if is_oom_error(err) else ERROR
+            return _Attempt(status, size, total, started, error=err)
+        if count_fn is not None and not total:
+            loss = torch.full((), math.nan)
+        return _Attempt(OK, size, total, started, loss=loss)
+
+    def _run(self, mb: Microbatch, loss_fn: LossFn) -> torch.Tensor:
+        loss = loss_fn(mb.unwrap())
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__qualname__
+            raise ValueError(f"loss_fn must return a scalar loss tensor (a mean over the microbatch), got {shape}")
+        weighted = loss * mb.weight
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(weighted).backward()
+        else:
+            weighted.backward()
+        return weighted.detach()

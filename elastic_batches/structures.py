@@ -1,0 +1,393 @@
+"""The user's batch structure <-> a flat TensorDict, and back.
+
+A batch is taken apart into *fields*: every tensor with a batch dimension, every per-sample list
+of Python objects (stored as a ``NonTensorStack``), every nested TensorDict or tensorclass. They
+go into one ``TensorDict`` with ``batch_size=[B]`` that can be split by rows. What is left — the
+containers and the values without a batch dimension — is kept in a small picklable *spec* that
+rebuilds the user's structure around any row slice of the fields.
+
+Rules, in order:
+
+- a registered type (``register_batch_type``) is taken apart by its ``to_tensordict``;
+- a ``TensorDict`` or a tensorclass is one field (it must have the batch as first dimension);
+- a tensor with at least one dimension is a field; a 0-d tensor is broadcast to every microbatch;
+- a mapping, a tuple or namedtuple, a dataclass instance is a container;
+- a list is a container when one of its items is a tensor or a container, else it holds one
+  Python object per sample and is split with the rows;
+- ``str``, ``bytes``, numbers, ``None``, ``torch.dtype``/``torch.device`` and tuples of those
+  are broadcast to every microbatch;
+- anything else raises ``TypeError`` naming the type and ``register_batch_type``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import numbers
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, NamedTuple
+
+import torch
+from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
+
+__all__ = ["BatchSpec", "from_tensordict", "register_batch_type", "to_tensordict"]
+
+
+class _Registration(NamedTuple):
+    to_tensordict: Callable[[Any], Mapping[str, Any]]
+    from_tensordict: Callable[[dict[str, Any]], Any]
+
+
+_BATCH_TYPES: dict[type, _Registration] = {}
+
+
+def register_batch_type(
+    cls: type,
+    *,
+    to_tensordict: Callable[[Any], Mapping[str, Any]],
+    from_tensordict: Callable[[dict[str, Any]], Any],
+) -> None:
+    """Teach elastic_batches to split a batch class it cannot take apart itself.
+
+    Registrations made in ``__main__`` reach DataLoader workers, also with the ``spawn`` start
+    method: the loader's collate object carries them.
+
+    Args:
+        cls: The batch class. Subclasses use the registration of their nearest registered base.
+        to_tensordict: ``obj -> mapping`` of fields: tensors with the batch as first dimension,
+            per-sample lists, nested structures or values to broadcast.
+        from_tensordict: ``fields -> obj``; receives a plain ``dict`` holding the same keys, each
+            cut to one microbatch's rows, and rebuilds the object.
+
+    Raises:
+        TypeError: ``cls`` is not a class, or a converter is not callable.
+
+    Example:
+        >>> import torch
+        >>> import elastic_batches as eb
+        >>> class Pair:
+        ...     def __init__(self, x, y):
+        ...         self.x, self.y = x, y
+        >>> eb.register_batch_type(
+        ...     Pair,
+        ...     to_tensordict=lambda p: {"x": p.x, "y": p.y},
+        ...     from_tensordict=lambda f: Pair(f["x"], f["y"]),
+        ... )
+        >>> batch = eb.ElasticBatch.wrap(Pair(torch.zeros(4, 2), torch.ones(4)))
+        >>> [mb.unwrap().x.shape[0] for mb in batch.microbatches(2)]
+        [2, 2]
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_batch_type expects a class, got {cls!r}")
+    for name, fn in (("to_tensordict", to_tensordict), ("from_tensordict", from_tensordict)):
+        if not callable(fn):
+            raise TypeError(f"register_batch_type({cls.__qualname__}): {name} must be callable, got {fn!r}")
+    _BATCH_TYPES[cls] = _Registration(to_tensordict, from_tensordict)
+
+
+def registered_batch_types() -> dict[type, _Registration]:
+    """A copy of the batch-type registry (carried to DataLoader workers by the collate object)."""
+    return dict(_BATCH_TYPES)
+
+
+def install_batch_types(registry: Mapping[type, _Registration]) -> None:
+    """Merge a registry snapshot into this process's registry (used in DataLoader workers)."""
+    for cls, registration in registry.items():
+        _BATCH_TYPES.setdefault(cls, registration)
+
+
+def _registration_for(cls: type) -> _Registration | None:
+    for base in cls.__mro__:
+        registration = _BATCH_TYPES.get(base)
+        if registration is not None:
+            return registration
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The spec: a tree of small picklable nodes. Leaves name a field of the TensorDict or hold a value.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Constant:
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Objects:
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sequence:
+    rebuild: Callable[[list[Any]], Any]
+    children: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Map:
+    template: Any  # an empty copy of the user's mapping, or None for a plain dict
+    keys: tuple[Any, ...]
+    children: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dataclass:
+    template: Any  # a shallow copy whose fields were set to None
+    names: tuple[str, ...]
+    children: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registered:
+    cls: type
+    inner: _Map
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """How to rebuild a user's batch structure around the fields of a TensorDict.
+
+    Produced by :func:`to_tensordict`, consumed by :func:`from_tensordict`; picklable.
+    """
+
+    root: Any
+
+
+_ATOMS = (str, bytes, numbers.Number, type(None), torch.dtype, torch.device, enum.Enum)
+
+
+def _is_atom(value: Any) -> bool:
+    if isinstance(value, _ATOMS):
+        return True
+    if type(value) is tuple:
+        return all(_is_atom(item) for item in value)
+    return False
+
+
+def _is_container(value: Any) -> bool:
+    return (
+        isinstance(value, (torch.Tensor, Mapping, tuple, list, TensorDictBase))
+        or is_tensorclass(value)
+        or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+        or _registration_for(type(value)) is not None
+    )
+
+
+def _path_key(path: tuple[str, ...]) -> str:
+    return ".".join(path) if path else "batch"
+
+
+def _rebuild_tuple(items: list[Any]) -> tuple[Any, ...]:
+    return tuple(items)
+
+
+def _rebuild_list(items: list[Any]) -> list[Any]:
+    return list(items)
+
+
+class _NamedTupleRebuild:
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __call__(self, items: list[Any]) -> Any:
+        return self.cls(*items)
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+        self.sizes: dict[str, int] = {}
+
+    def add(self, path: tuple[str, ...], value: Any, size: int) -> str:
+        key = _path_key(path)
+        self.fields[key] = value
+        self.sizes[key] = size
+        return key
+
+    def visit(self, value: Any, path: tuple[str, ...]) -> Any:
+        registration = _registration_for(type(value))
+        if registration is not None:
+            fields = registration.to_tensordict(value)
+            if not isinstance(fields, Mapping):
+                raise TypeError(
+                    f"to_tensordict registered for {type(value).__qualname__} returned "
+                    f"{type(fields).__qualname__}; it must return a mapping of fields (dict or TensorDict)"
+                )
+            inner = self._visit_mapping(dict(fields.items()), path, template=None)
+            return _Registered(type(value), inner)
+        if isinstance(value, TensorDictBase) or is_tensorclass(value):
+            if not value.batch_dims:
+                raise ValueError(
+                    f"field '{_path_key(path)}' is a {type(value).__qualname__} without batch dimensions; "
+                    "give it batch_size=[B] so it can be split by rows"
+                )
+            return _Field(self.add(path, value, int(value.batch_size[0])))
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                return _Constant(value)
+            return _Field(self.add(path, value, int(value.shape[0])))
+        if isinstance(value, Mapping):
+            return self._visit_mapping(value, path, template=_empty_copy(value))
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            children = tuple(self.visit(v, (*path, name)) for name, v in zip(value._fields, value, strict=True))
+            return _Sequence(_NamedTupleRebuild(type(value)), children)
+        if _is_atom(value):
+            return _Constant(value)
+        if isinstance(value, (list, tuple)):
+            if any(_is_container(item) for item in value):
+                rebuild = _rebuild_list if isinstance(value, list) else _rebuild_tuple
+                children = tuple(self.visit(v, (*path, str(i))) for i, v in enumerate(value))
+                return _Sequence(rebuild, children)
+            if isinstance(value, tuple):
+                raise TypeError(
+                    f"field '{_path_key(path)}' is a tuple of per-sample objects; use a list for values "
+                    "with one item per sample, or register the batch type with "
+                    "elastic_batches.register_batch_type"
+                )
+            stack = NonTensorStack.from_list(list(value)) if value else NonTensorStack()
+            return _Objects(self.add(path, stack, len(value)))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            names = tuple(f.name for f in dataclasses.fields(value))
+            children = tuple(self.visit(getattr(value, name), (*path, name)) for name in names)
+            template = copy.copy(value)
+            for name in names:
+                object.__setattr__(template, name, None)
+            return _Dataclass(template, names, children)
+        raise TypeError(
+            f"cannot split a batch of type {type(value).__qualname__}"
+            f"{'' if not path else f' (field {_path_key(path)!r})'}: register it with "
+            f"elastic_batches.register_batch_type({type(value).__qualname__}, "
+            "to_tensordict=..., from_tensordict=...)"
+        )
+
+    def _visit_mapping(self, value: Mapping[Any, Any], path: tuple[str, ...], template: Any) -> _Map:
+        keys = tuple(value.keys())
+        children = tuple(self.visit(value[k], (*path, str(k))) for k in keys)
+        return _Map(template, keys, children)
+
+
+def _empty_copy(mapping: Mapping[Any, Any]) -> Any:
+    if type(mapping) is dict:
+        return None
+    if isinstance(mapping, MutableMapping):
+        template = copy.copy(mapping)
+        template.clear()
+        return template
+    raise TypeError(
+        f"cannot rebuild a batch of read-only mapping type {type(mapping).__qualname__}: register it with "
+        f"elastic_batches.register_batch_type({type(mapping).__qualname__}, to_tensordict=..., from_tensordict=...)"
+    )
+
+
+def to_tensordict(batch: Any) -> tuple[TensorDict, BatchSpec]:
+    """Take a batch apart into a row-splittable TensorDict and the spec that rebuilds it.
+
+    Args:
+        batch: What a DataLoader yields: a tensor, or any nesting of the supported structures.
+
+    Returns:
+        ``(fields, spec)``: a ``TensorDict`` with ``batch_size=[B]`` and a :class:`BatchSpec`.
+
+    Raises:
+        TypeError: a value of a type that cannot be split; the message names the type and
+            ``register_batch_type``.
+        ValueError: the batch has no field with a batch dimension, or fields disagree on the
+            batch size (the message names each field and its size).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.structures import to_tensordict, from_tensordict
+        >>> fields, spec = to_tensordict({"x": torch.zeros(3, 2), "text": ["a", "b", "c"], "lr": 0.1})
+        >>> fields.batch_size
+        torch.Size([3])
+        >>> from_tensordict(fields[1:], spec)["text"]
+        ['b', 'c']
+    """
+    flattener = _Flattener()
+    root = flattener.visit(batch, ())
+    sizes = flattener.sizes
+    if not sizes:
+        raise ValueError(
+            f"cannot split a batch of type {type(batch).__qualname__}: it holds no tensor with a batch "
+            "dimension and no per-sample list"
+        )
+    distinct = set(sizes.values())
+    if len(distinct) > 1:
+        listed = ", ".join(f"'{key}' ({size})" for key, size in sizes.items())
+        raise ValueError(f"batch fields disagree on the batch size (leading dimension): {listed}")
+    batch_size = distinct.pop()
+    return TensorDict(flattener.fields, batch_size=[batch_size]), BatchSpec(root)
+
+
+def from_tensordict(fields: TensorDictBase, spec: BatchSpec) -> Any:
+    """Rebuild the user's structure around ``fields`` (the whole batch or a row slice of it).
+
+    Args:
+        fields: A TensorDict produced by :func:`to_tensordict`, or any row slice of it.
+        spec: The spec :func:`to_tensordict` returned with it.
+
+    Returns:
+        The batch in the user's own structure, holding ``fields``' rows.
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.structures import to_tensordict, from_tensordict
+        >>> fields, spec = to_tensordict([torch.arange(4), torch.arange(4) * 10])
+        >>> from_tensordict(fields[:2], spec)
+        [tensor([0, 1]), tensor([ 0, 10])]
+    """
+    return _build(spec.root, fields)
+
+
+def _build(node: Any, fields: TensorDictBase) -> Any:
+    if isinstance(node, _Field):
+        return fields.get(node.key)
+    if isinstance(node, _Objects):
+        return fields.get(node.key).tolist()
+    if isinstance(node, _Constant):
+        return node.value
+    if isinstance(node, _Sequence):
+        return node.rebuild([_build(child, fields) for child in node.children])
+    if isinstance(node, _Map):
+        values = {key: _build(child, fields) for key, child in zip(node.keys, node.children, strict=True)}
+        if node.template is None:
+            return values
+        mapping = copy.copy(node.template)
+        mapping.update(values)
+        return mapping
+    if isinstance(node, _Dataclass):
+        obj = copy.copy(node.template)
+        for name, child in zip(node.names, node.children, strict=True):
+            object.__setattr__(obj, name, _build(child, fields))
+        return obj
+    if isinstance(node, _Registered):
+        registration = _registration_for(node.cls)
+        if registration is None:
+            raise TypeError(
+                f"batch type {node.cls.__qualname__} is not registered in this process: call "
+                "elastic_batches.register_batch_type at import time of the module that defines it"
+            )
+        return registration.from_tensordict(_build(node.inner, fields))
+    raise TypeError(f"unknown spec node {node!r}")  # pragma: no cover - specs are built above
+
+
+def map_constants(spec: BatchSpec, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchSpec:
+    """A spec whose broadcast tensors (0-d) went through ``fn``; used to move them to a device."""
+    return BatchSpec(_map_constants(spec.root, fn))
+
+
+def _map_constants(node: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(node, _Constant) and isinstance(node.value, torch.Tensor):
+        return _Constant(fn(node.value))
+    if isinstance(node, (_Sequence, _Map, _Dataclass)):
+        return dataclasses.replace(node, children=tuple(_map_constants(c, fn) for c in node.children))
+    if isinstance(node, _Registered):
+        return _Registered(node.cls, _map_constants(node.inner, fn))
+    return node
