@@ -62,10 +62,14 @@ class GradientSync:
         """Share this rank's outcome of an attempt; every rank gets the same verdict back."""
         return Verdict(status, size if status == OOM else 0, size, 1.0, (0,) if status == ERROR else ())
 
-    def reduce(self, grads: Sequence[torch.Tensor], scale: float) -> None:
-        """Turn each rank's local gradients (mean over its batch) into the global mean, in place."""
-        if scale != 1.0:
-            torch._foreach_mul_(list(grads), scale)
+    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
+        """Turn the ``.grad`` of ``params`` (this rank's mean over its batch) into the global mean, in place.
+
+        A parameter without ``.grad`` (unused by ``loss_fn``) keeps none.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        if scale != 1.0 and grads:
+            torch._foreach_mul_(grads, scale)
 
 
 class _Agreeing(GradientSync):
@@ -97,7 +101,7 @@ class _Agreeing(GradientSync):
             error_ranks=tuple(rank for rank, s in enumerate(statuses) if s == ERROR),
         )
 
-    def reduce(self, grads: Sequence[torch.Tensor], scale: float) -> None:
+    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         pass
 
 
@@ -117,7 +121,12 @@ class _DistributedDataParallel(_Agreeing):
         with self.ddp.no_sync():
             yield
 
-    def reduce(self, grads: Sequence[torch.Tensor], scale: float) -> None:
+    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
+        # Every rank must reduce the same tensors: a parameter unused here may be used elsewhere.
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
         for bucket in _buckets(grads):
             flat = _flatten_dense_tensors(bucket)
             flat.mul_(scale)

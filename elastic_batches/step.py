@@ -143,13 +143,11 @@ class ElasticStep:
                     self.controller.record_oom(verdict.oom_size, rows, discarded=count)
                 except ElasticOOMError as err:
                     raise err from oom
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            self.sync.reduce(grads, verdict.scale)
-            for p, new, old in zip(params, grads, stashed, strict=True):
-                if old is None:
-                    p.grad = new
-                else:
-                    old.add_(new)
+            self.sync.reduce(params, verdict.scale)
+            for p, old in zip(params, stashed, strict=True):
+                if old is not None and p.grad is not None:
+                    old.add_(p.grad)
+                if old is not None:
                     p.grad = old
             merged = True
             self.controller.record_success(verdict.size, rows)
