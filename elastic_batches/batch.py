@@ -62,6 +62,11 @@ class Microbatch:
         """The microbatch in the user's own structure (what the plain DataLoader yields, cut to these rows)."""
         return from_tensordict(self.data, self.spec)
 
+    def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> Microbatch:
+        """A copy of the microbatch on ``device`` (fields and broadcast tensors)."""
+        spec = map_constants(self.spec, lambda t: t.to(device, non_blocking=non_blocking))
+        return dataclasses.replace(self, data=self.data.to(device, non_blocking=non_blocking), spec=spec)
+
 
 class ElasticBatch:
     """A batch taken apart into row-splittable fields, tagged with the split count to use.

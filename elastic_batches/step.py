@@ -50,6 +50,9 @@ class ElasticStep:
             default.
         grad_scaler: A ``torch.amp.GradScaler``; every microbatch loss is scaled by it before
             backward. Autocast stays in ``loss_fn``.
+        device: Move each microbatch to this device just before its forward (the batch can
+            stay in host memory, so only one microbatch occupies the device at a time; an OOM in
+            the transfer is retried like any other). ``None``: the batch is used where it is.
 
     Example:
         >>> import torch
@@ -69,6 +72,7 @@ class ElasticStep:
         *,
         controller: SplitController | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ElasticStep expects an nn.Module as model, got {type(model).__qualname__}")
@@ -77,6 +81,7 @@ class ElasticStep:
         self.model = model
         self.controller = controller if controller is not None else SplitController()
         self.grad_scaler = grad_scaler
+        self.device = None if device is None else torch.device(device)
         self._sync: GradientSync | None = None
 
     @property
@@ -187,6 +192,8 @@ class ElasticStep:
         return _Attempt(OK, size, total, started, loss=loss)
 
     def _run(self, mb: Microbatch, loss_fn: LossFn) -> torch.Tensor:
+        if self.device is not None:
+            mb = mb.to(self.device, non_blocking=True)
         loss = loss_fn(mb.unwrap())
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__qualname__
