@@ -7,7 +7,7 @@ another, and turns a size into the smallest count that respects it: ``ceil(rows 
 
 The search:
 
-1. An OOM at size ``s`` with no size known to fit halves: the next size is ``s // 2``.
+1. An OOM at size ``s`` with no size known to fit halves: the next size is ``ceil(s / 2)``.
 2. Once a size fits and a larger one failed, each following step probes the middle of the
    interval ``[fits, fails)``, until ``fits >= 0.9 * (fails - 1)``: the settled size is then at
    least 90% of the largest that fits, and it never OOMs again while memory stays as it is.
@@ -143,7 +143,7 @@ class SplitController:
         if self._fits:
             return self._fits
         if self._fails is not None:
-            return max(self.min_microbatch_size, self._fails // 2)
+            return max(self.min_microbatch_size, (self._fails + 1) // 2)
         return None
 
     def count_for(self, rows: int) -> int:
@@ -184,7 +184,7 @@ class SplitController:
         if self._fits:
             return math.ceil(rows / self._fits)
         if self._fails is not None:
-            return math.ceil(rows / max(1, self._fails // 2))
+            return math.ceil(rows / max(1, (self._fails + 1) // 2))
         return self._start_split_count
 
     def _clamp(self, rows: int, count: int) -> int:

@@ -17,7 +17,7 @@ from elastic_batches.controller import SplitController
 __all__ = ["MicrobatchingDataLoader"]
 
 _STATE_VERSION = 1
-_STATE_KEYS = frozenset({"version", "loader", "controller"})
+_STATE_KEYS = frozenset({"version", "batch_size", "loader", "controller"})
 
 
 class _Unset:
@@ -155,13 +155,22 @@ class MicrobatchingDataLoader(StatefulDataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch (inner loader) and what the controller learned."""
-        return {"version": _STATE_VERSION, "loader": super().state_dict(), "controller": self.controller.state_dict()}
+        return {
+            "version": _STATE_VERSION,
+            "batch_size": self.batch_size,
+            "loader": super().state_dict(),
+            "controller": self.controller.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output: the next ``iter()`` resumes where it was saved.
 
+        The controller learned microbatch sizes, which hold for any batch size; the position in
+        the epoch does not, so a state saved with another ``batch_size`` is refused.
+
         Raises:
-            ValueError: keys are missing or unexpected, or the version is unknown.
+            ValueError: keys are missing or unexpected, the version is unknown, or the state was
+                saved by a loader with another ``batch_size``.
         """
         missing = sorted(_STATE_KEYS - state_dict.keys())
         unexpected = sorted(state_dict.keys() - _STATE_KEYS)
@@ -174,6 +183,13 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             raise ValueError(
                 f"MicrobatchingDataLoader.load_state_dict: state version {state_dict['version']!r} is not supported "
                 f"(this elastic_batches writes version {_STATE_VERSION})"
+            )
+        if state_dict["batch_size"] != self.batch_size:
+            raise ValueError(
+                f"MicrobatchingDataLoader.load_state_dict: the state was saved with batch_size="
+                f"{state_dict['batch_size']}, this loader has batch_size={self.batch_size}: its position in the "
+                "epoch would be wrong. Resume with the same batch_size, or load only the controller's state: "
+                "loader.controller.load_state_dict(state['controller'])"
             )
         super().load_state_dict(state_dict["loader"])
         self.controller.load_state_dict(state_dict["controller"])

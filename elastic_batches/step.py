@@ -31,6 +31,12 @@ class _Attempt:
     error: BaseException | None = None
 
 
+def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
+    """Leaf tensors of the batch that require grad: their ``.grad`` is set aside like the parameters'."""
+    leaves = batch.data.values(include_nested=True, leaves_only=True)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+
+
 class ElasticStep:
     """Runs forward and backward of a batch as microbatches, so that it fits in memory.
 
@@ -121,9 +127,10 @@ class ElasticStep:
         if rows == 0:
             raise ValueError("ElasticStep.backward: the batch is empty (0 rows); skip empty batches before the step")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        stashed = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        inputs = _input_leaves(batch)  # batch tensors that collect a gradient of their own
+        stashed = [t.grad for t in params + inputs]
+        for t in params + inputs:
+            t.grad = None
         merged = False
         try:
             while True:
@@ -132,8 +139,8 @@ class ElasticStep:
                 verdict = self.sync.vote(attempt.status, attempt.size, attempt.total)
                 if verdict.status == OK:
                     break
-                for p in params:
-                    p.grad = None
+                for t in params + inputs:
+                    t.grad = None
                 if attempt.error is not None and attempt.status == ERROR:
                     raise attempt.error
                 if verdict.status == ERROR:
@@ -149,19 +156,19 @@ class ElasticStep:
                 except ElasticOOMError as err:
                     raise err from oom
             self.sync.reduce(params, verdict.scale)
-            for p, old in zip(params, stashed, strict=True):
-                if old is not None and p.grad is not None:
-                    old.add_(p.grad)
+            for t, old in zip(params + inputs, stashed, strict=True):
+                if old is not None and t.grad is not None:
+                    old.add_(t.grad)
                 if old is not None:
-                    p.grad = old
+                    t.grad = old
             merged = True
             self.controller.record_success(verdict.size, rows)
             assert attempt.loss is not None
             return attempt.loss
         finally:
             if not merged:
-                for p, old in zip(params, stashed, strict=True):
-                    p.grad = old
+                for t, old in zip(params + inputs, stashed, strict=True):
+                    t.grad = old
 
     def _attempt(self, batch: ElasticBatch, count: int, loss_fn: LossFn, count_fn: CountFn | None) -> _Attempt:
         microbatches = list(batch.microbatches(count))
