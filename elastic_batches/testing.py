@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["MemoryBudget", "OOMInjection", "inject_oom", "inject_oom_in_optimizer"]
+__all__ = ["MemoryBudget", "OOMInjection", "inject_oom", "inject_oom_in_optimizer", "inject_oom_in_transfer"]
 
 # How an op's return relates to its inputs, read from its schema: a fresh allocation, a view of
 # an input (no new memory), or an input written in place (an `out=` tensor may be resized).
@@ -579,4 +579,60 @@ def inject_oom_in_optimizer(
             handle._fire(f"at optimizer step {index}")
 
     handle._handles.append(optimizer.register_step_pre_hook(pre_hook))
+    return handle
+
+
+class _MethodPatch:
+    """Puts a replacement method on a class until :meth:`remove` (an ``OOMInjection`` handle entry)."""
+
+    def __init__(self, cls: type, name: str, replacement: Any) -> None:
+        self._cls, self._name, self._original = cls, name, cls.__dict__[name]
+        setattr(cls, name, replacement)
+
+    def remove(self) -> None:
+        setattr(self._cls, self._name, self._original)
+
+
+def inject_oom_in_transfer(*, calls: int | Iterable[int] = 0, rank: int | None = None) -> OOMInjection:
+    """Raises :class:`torch.OutOfMemoryError` in chosen device transfers of a microbatch.
+
+    Counts the calls of ``Microbatch.to`` — what ``ElasticStep(device=...)`` does just before each
+    microbatch's forward — numbered from 0 over the handle's lifetime, and raises at the chosen
+    ones before anything is copied. Only one injection of this kind can be active at a time.
+
+    Args:
+        calls: The transfer number, or numbers, to raise at (from 0). Default: the first transfer.
+        rank: Raise only on this ``torch.distributed`` rank; ``None`` (default) on every rank.
+
+    Returns:
+        An :class:`OOMInjection` handle (context manager, ``remove()``, ``fired``, ``calls_seen``).
+
+    Raises:
+        ValueError: If ``calls`` or ``rank`` is negative or ``calls`` is empty.
+
+    Example:
+        >>> import torch
+        >>> import elastic_batches as eb
+        >>> from elastic_batches.testing import inject_oom_in_transfer
+        >>> model = torch.nn.Linear(2, 1)
+        >>> step = eb.ElasticStep(model, device="cpu")
+        >>> batch = (torch.randn(8, 2), torch.randn(8, 1))
+        >>> with inject_oom_in_transfer(calls=0) as oom:
+        ...     _ = step.backward(batch, lambda mb: torch.nn.functional.mse_loss(model(mb[0]), mb[1]))
+        >>> oom.fired, step.controller.split_count
+        (1, 2)
+    """
+    from elastic_batches.batch import Microbatch
+
+    handle = OOMInjection("Microbatch", "transfer", _call_set(calls, "transfer"), _check_rank(rank))
+    original = Microbatch.to
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        index = handle.calls_seen
+        handle.calls_seen += 1
+        if handle._armed(index):
+            handle._fire(f"at device transfer {index}")
+        return original(self, *args, **kwargs)
+
+    handle._handles.append(_MethodPatch(Microbatch, "to", to))
     return handle
