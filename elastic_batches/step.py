@@ -59,6 +59,10 @@ class ElasticStep:
         device: Move each microbatch to this device just before its forward (the batch can
             stay in host memory, so only one microbatch occupies the device at a time; an OOM in
             the transfer is retried like any other). ``None``: the batch is used where it is.
+        backward_fn: Called with each weighted microbatch loss instead of ``loss.backward()``,
+            for a framework's own backward (the Lightning integration passes the strategy's,
+            which applies the precision plugin's scaler and the backward hooks). Excludes
+            ``grad_scaler``.
 
     Example:
         >>> import torch
@@ -79,7 +83,10 @@ class ElasticStep:
         controller: SplitController | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         device: torch.device | str | None = None,
+        backward_fn: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
+        if grad_scaler is not None and backward_fn is not None:
+            raise ValueError("ElasticStep: pass grad_scaler or backward_fn, not both (backward_fn does the scaling)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"ElasticStep expects an nn.Module as model, got {type(model).__qualname__}")
         if controller is not None and not isinstance(controller, SplitController):
@@ -88,6 +95,7 @@ class ElasticStep:
         self.controller = controller if controller is not None else SplitController()
         self.grad_scaler = grad_scaler
         self.device = None if device is None else torch.device(device)
+        self.backward_fn = backward_fn
         self._sync: GradientSync | None = None
 
     @property
@@ -97,7 +105,9 @@ class ElasticStep:
             self._sync = gradient_sync_for(self.model)
         return self._sync
 
-    def backward(self, batch: ElasticBatch | Any, loss_fn: LossFn, *, count_fn: CountFn | None = None) -> torch.Tensor:
+    def backward(
+        self, batch: ElasticBatch | Any, loss_fn: LossFn, *, count_fn: CountFn | None = None, unwrap: bool = True
+    ) -> torch.Tensor:
         """Accumulate the gradient of the batch's mean loss, in as many microbatches as it takes.
 
         Args:
@@ -110,6 +120,9 @@ class ElasticStep:
                 instance non-ignored tokens). Microbatch weights become ``count_i / sum(counts)``
                 over the batch (and over all ranks), so a token-mean loss is exact. ``None``:
                 weights by rows.
+            unwrap: ``False``: ``loss_fn`` receives each :class:`Microbatch` itself (its ``weight``,
+                ``index`` and ``count``; ``.unwrap()`` gives the user's structure); an attempt
+                starts again at ``index == 0`` after an OOM.
 
         Returns:
             The batch's mean loss on this rank, detached.
@@ -134,8 +147,8 @@ class ElasticStep:
         merged = False
         try:
             while True:
-                count = min(rows, max(batch.split_count, self.controller.plan(rows)))
-                attempt = self._attempt(batch, count, loss_fn, count_fn)
+                count = self._count(batch, rows)
+                attempt = self._attempt(batch, count, loss_fn, count_fn, unwrap)
                 verdict = self.sync.vote(attempt.status, attempt.size, attempt.total)
                 if verdict.status == OK:
                     break
@@ -170,7 +183,86 @@ class ElasticStep:
                 for t, old in zip(params + inputs, stashed, strict=True):
                     t.grad = old
 
-    def _attempt(self, batch: ElasticBatch, count: int, loss_fn: LossFn, count_fn: CountFn | None) -> _Attempt:
+    def evaluate(self, batch: ElasticBatch | Any, fn: Callable[[Any], Any], *, unwrap: bool = True) -> list[Any]:
+        """Run ``fn`` on each microbatch, without backward, retrying the batch on OOM (validation, prediction).
+
+        The split count comes from the controller (give each stage its own: evaluation fits
+        larger microbatches than training); ranks agree on each outcome as in :meth:`backward`.
+        Run it under ``torch.no_grad()`` or ``torch.inference_mode()`` as you would the plain call.
+
+        Args:
+            batch: An :class:`ElasticBatch` or any batch structure it can take apart.
+            fn: ``microbatch -> output``, called on each microbatch in row order.
+            unwrap: ``False``: ``fn`` receives each :class:`Microbatch` itself.
+
+        Returns:
+            The outputs of ``fn`` on the microbatches of the attempt that fitted, in row order.
+
+        Raises:
+            ElasticOOMError: out of memory even at the smallest microbatch allowed.
+            RuntimeError: under several ranks, another rank's ``fn`` raised.
+            Exception: anything else ``fn`` raises, unchanged.
+
+        Example:
+            >>> import torch
+            >>> import elastic_batches as eb
+            >>> model = torch.nn.Linear(3, 2)
+            >>> step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+            >>> x = torch.randn(5, 3)
+            >>> with torch.no_grad():
+            ...     outputs = step.evaluate(x, model)
+            >>> [tuple(o.shape) for o in outputs], torch.allclose(torch.cat(outputs), model(x))
+            ([(3, 2), (2, 2)], True)
+        """
+        batch = ElasticBatch.wrap(batch)
+        rows = len(batch)
+        if rows == 0:
+            raise ValueError("ElasticStep.evaluate: the batch is empty (0 rows); skip empty batches before the call")
+        while True:
+            count = self._count(batch, rows)
+            microbatches = list(batch.microbatches(count))
+            status, error, outputs = OK, None, []
+            try:
+                with self.sync.microbatches():
+                    for mb in microbatches:
+                        if self.device is not None:
+                            mb = mb.to(self.device, non_blocking=True)
+                        outputs.append(fn(mb.unwrap() if unwrap else mb))
+            except Exception as err:
+                status, error, outputs = (OOM if is_oom_error(err) else ERROR), err, []
+            verdict = self.sync.vote(status, len(microbatches[0]), float(rows))
+            if verdict.status == OK:
+                self.controller.record_success(verdict.size, rows)
+                return outputs
+            if error is not None and status == ERROR:
+                raise error
+            if verdict.status == ERROR:
+                raise RuntimeError(
+                    f"ElasticStep.evaluate: rank(s) {list(verdict.error_ranks)} raised an error in fn; "
+                    "this rank stops too instead of waiting for them"
+                )
+            release_memory(error)
+            try:
+                self.controller.record_oom(verdict.oom_size, rows, discarded=count)
+            except ElasticOOMError as err:
+                raise err from error
+            del error
+
+    def _count(self, batch: ElasticBatch, rows: int) -> int:
+        """The count for the next attempt: the controller's plan, unless the batch's tag asks for more.
+
+        The loader tags each batch with the controller's settled count; a tag no higher than that
+        must not block the controller's probes of a larger microbatch (refinement, ``grow_after``).
+        A higher tag (set by hand, or stale from before a probe succeeded) is obeyed.
+        """
+        planned = self.controller.plan(rows)
+        if batch.split_count > self.controller.count_for(rows):
+            planned = max(planned, batch.split_count)
+        return min(rows, planned)
+
+    def _attempt(
+        self, batch: ElasticBatch, count: int, loss_fn: LossFn, count_fn: CountFn | None, unwrap: bool = True
+    ) -> _Attempt:
         microbatches = list(batch.microbatches(count))
         size = len(microbatches[0])
         if count_fn is None:
@@ -190,7 +282,7 @@ class ElasticStep:
                     started += 1
                     if mb.weight == 0.0:
                         continue  # nothing to count in it: its loss would be 0/0
-                    loss = loss + self._run(mb, loss_fn)
+                    loss = loss + self._run(mb, loss_fn, unwrap)
         except Exception as err:
             status = OOM if is_oom_error(err) else ERROR
             return _Attempt(status, size, total, started, error=err)
@@ -198,15 +290,17 @@ class ElasticStep:
             loss = torch.full((), math.nan)
         return _Attempt(OK, size, total, started, loss=loss)
 
-    def _run(self, mb: Microbatch, loss_fn: LossFn) -> torch.Tensor:
+    def _run(self, mb: Microbatch, loss_fn: LossFn, unwrap: bool = True) -> torch.Tensor:
         if self.device is not None:
             mb = mb.to(self.device, non_blocking=True)
-        loss = loss_fn(mb.unwrap())
+        loss = loss_fn(mb.unwrap() if unwrap else mb)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__qualname__
             raise ValueError(f"loss_fn must return a scalar loss tensor (a mean over the microbatch), got {shape}")
         weighted = loss * mb.weight
-        if self.grad_scaler is not None:
+        if self.backward_fn is not None:
+            self.backward_fn(weighted)
+        elif self.grad_scaler is not None:
             self.grad_scaler.scale(weighted).backward()
         else:
             weighted.backward()
