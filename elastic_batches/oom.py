@@ -85,7 +85,7 @@ def release_memory(exc: BaseException | None = None) -> None:
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
-    gc.collect()
+    gc.collect(1)  # the failed attempt's objects are young; a full collection can take 100s of ms
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     xpu = getattr(torch, "xpu", None)
