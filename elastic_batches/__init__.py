@@ -1,20 +1,26 @@
 """elastic_batches: automatic gradient accumulation that survives out-of-memory errors."""
 
+from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
+from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.collate import ElasticCollate, register_collate
 from elastic_batches.controller import ElasticOOMError, SplitController
 from elastic_batches.loader import MicrobatchingDataLoader
 from elastic_batches.oom import is_oom_error
+from elastic_batches.padding import Padding
 from elastic_batches.step import ElasticStep
 from elastic_batches.structures import register_batch_type
 
 __all__ = [
+    "BatchLoad",
     "ElasticBatch",
     "ElasticCollate",
     "ElasticOOMError",
     "ElasticStep",
     "Microbatch",
     "MicrobatchingDataLoader",
+    "Padding",
+    "ShapeBuckets",
     "SplitController",
     "is_oom_error",
     "register_batch_type",

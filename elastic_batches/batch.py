@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
 
+from elastic_batches.balance import BatchLoad, split_sizes
 from elastic_batches.structures import BatchSpec, from_tensordict, map_constants, to_tensordict
 
+if TYPE_CHECKING:
+    from elastic_batches.padding import Padding
+
 __all__ = ["ElasticBatch", "Microbatch", "split_sizes"]
-
-
-def split_sizes(batch_size: int, split_count: int) -> list[int]:
-    """Row counts of a balanced split: ``batch_size`` rows in ``split_count`` pieces.
-
-    The first ``batch_size % split_count`` pieces get one row more, as ``torch.tensor_split``
-    does; pieces never differ by more than one row.
-
-    Example:
-        >>> from elastic_batches.batch import split_sizes
-        >>> split_sizes(10, 3)
-        [4, 3, 3]
-    """
-    base, extra = divmod(batch_size, split_count)
-    return [base + 1] * extra + [base] * (split_count - extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +66,9 @@ class ElasticBatch:
             :func:`elastic_batches.structures.to_tensordict`).
         split_count: How many microbatches the batch should be cut into; the loader sets it when
             it yields the batch, and the step side uses the larger of it and its controller's.
+        padding: Which fields are padded and each sample's lengths (set by the loader when it
+            has ``pad_values``); each microbatch's padded fields are then cut to its own longest
+            sample. ``None``: fields are cut by rows only.
 
     Example:
         >>> import torch
@@ -90,12 +82,16 @@ class ElasticBatch:
         <class 'tuple'>
     """
 
-    def __init__(self, data: TensorDictBase, spec: BatchSpec, split_count: int = 1) -> None:
+    def __init__(
+        self, data: TensorDictBase, spec: BatchSpec, split_count: int = 1, padding: Padding | None = None
+    ) -> None:
         if not isinstance(data, TensorDictBase) or data.batch_dims < 1:
             raise TypeError(f"ElasticBatch expects a TensorDict with batch_size=[B] as data, got {data!r}")
         self.data = data
         self.spec = spec
         self.split_count = split_count
+        self.padding = padding
+        self._loads: dict[str, BatchLoad] = {}
 
     @classmethod
     def wrap(cls, batch: Any, split_count: int = 1) -> ElasticBatch:
@@ -134,18 +130,58 @@ class ElasticBatch:
     def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> ElasticBatch:
         """A copy of the batch on ``device`` (fields and broadcast tensors); the tag is kept."""
         spec = map_constants(self.spec, lambda t: t.to(device, non_blocking=non_blocking))
-        return ElasticBatch(self.data.to(device, non_blocking=non_blocking), spec, self.split_count)
+        return ElasticBatch(self.data.to(device, non_blocking=non_blocking), spec, self.split_count, self.padding)
 
     def pin_memory(self) -> ElasticBatch:
         """A copy in page-locked memory (called by the DataLoader's pin-memory thread)."""
-        return ElasticBatch(self.data.pin_memory(), self.spec, self.split_count)
+        return ElasticBatch(self.data.pin_memory(), self.spec, self.split_count, self.padding)
 
-    def microbatches(self, split_count: int | None = None) -> Iterator[Microbatch]:
-        """Cut the batch into balanced microbatches, in row order.
+    def load(self, unit: str = "rows") -> BatchLoad:
+        """The batch's :class:`BatchLoad` in ``unit``: what a :class:`SplitController` plans with.
+
+        Args:
+            unit: ``"rows"``, or ``"tokens"`` (padded positions; needs a padded batch).
+
+        Raises:
+            ValueError: ``unit`` is unknown, or ``"tokens"`` for a batch without padded fields.
+
+        Example:
+            >>> import torch
+            >>> import elastic_batches as eb
+            >>> samples = [{"ids": torch.ones(n, dtype=torch.long)} for n in (2, 7, 3)]
+            >>> batch = eb.ElasticCollate(pad_values={"ids": 0})(samples)
+            >>> batch.load("tokens").lengths, batch.load("tokens").size_at(1)
+            ((7, 3, 2), 21)
+        """
+        load = self._loads.get(unit)
+        if load is not None:
+            return load
+        if unit == "rows":
+            load = BatchLoad(len(self))
+        elif unit == "tokens":
+            if self.padding is None:
+                raise ValueError(
+                    "a tokens-based split needs a batch with padded fields: give the MicrobatchingDataLoader "
+                    "pad_values={field: pad value}, or use SplitController(unit='rows')"
+                )
+            load = BatchLoad(len(self), self.padding.row_lengths())
+        else:
+            raise ValueError(f"ElasticBatch.load: unit must be 'rows' or 'tokens', got {unit!r}")
+        self._loads[unit] = load
+        return load
+
+    def microbatches(self, split_count: int | None = None, *, balance: str = "rows") -> Iterator[Microbatch]:
+        """Cut the batch into microbatches of consecutive rows.
+
+        A padded batch's microbatches hold their padded fields cut to their own longest sample
+        (rounded up by the padding's ``ShapeBuckets``, if any).
 
         Args:
             split_count: Number of pieces; defaults to the batch's tag. More pieces than rows
                 is not possible: it is capped at the number of rows.
+            balance: ``"rows"`` (default): pieces differ by at most one row. ``"tokens"``: the
+                largest piece's padded positions are as few as the count allows and the pieces
+                carry similar token counts (see :class:`BatchLoad`); needs a padded batch.
 
         Yields:
             :class:`Microbatch` objects whose weights (rows / batch rows) sum to 1.
@@ -160,7 +196,10 @@ class ElasticBatch:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"split_count must be an int >= 1, got {count!r}")
         count = min(count, rows)
+        sizes = split_sizes(rows, count) if balance == "rows" else self.load(balance).sizes(count)
         start = 0
-        for index, size in enumerate(split_sizes(rows, count)):
-            yield Microbatch(self.data[start : start + size], size / rows, index, count, self.spec)
-            start += size
+        for index, size in enumerate(sizes):
+            stop = start + size
+            data = self.data[start:stop] if self.padding is None else self.padding.piece(self.data, start, stop)
+            yield Microbatch(data, size / rows, index, count, self.spec)
+            start = stop

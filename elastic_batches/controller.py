@@ -15,16 +15,22 @@ The search:
    there falls back to the settled count, and the batch is retried, not lost.
 4. An OOM at a size that fitted before means memory shrank: what fitted is forgotten and the
    search halves again from there.
+
+With ``unit="tokens"`` a size is a microbatch's *padded positions* (rows times its longest
+sample) instead of its rows, and counts come from each batch's lengths (a :class:`BatchLoad`):
+a batch of longer sequences gets more microbatches before it runs out of memory, and the
+microbatches of one batch carry similar token counts.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from elastic_batches.balance import BatchLoad
 
 __all__ = ["ElasticOOMError", "SplitController"]
 
@@ -38,6 +44,8 @@ _STATE_KEYS = frozenset(
         "fits",
         "fails",
         "last_rows",
+        "last_lengths",
+        "unit",
         "steps_since_oom",
         "grow_pending",
         "oom_count",
@@ -69,6 +77,10 @@ class SplitController:
             raises :class:`ElasticOOMError`. ``None``: no limit but the batch's rows.
         grow_after: After this many steps without an OOM, probe one microbatch fewer (memory may
             have grown: shorter sequences, freed buffers). ``None`` (default): never probe.
+        unit: What a microbatch size counts: ``"rows"`` (default), or ``"tokens"``, its padded
+            positions (rows times its longest sample), for batches from a loader with
+            ``pad_values``. With ``"tokens"``, pass each batch's ``batch.load("tokens")`` where a
+            row count is asked for.
 
     Attributes:
         oom_count: OOMs reported, the final one of a failed step included.
@@ -89,6 +101,11 @@ class SplitController:
         2
         >>> controller.split_count, controller.microbatch_size
         (2, 128)
+        >>> from elastic_batches import BatchLoad
+        >>> tokens = SplitController(unit="tokens")
+        >>> tokens.record_success(size=512, rows=BatchLoad(16, [32] * 16))  # 16 x 32 fitted
+        >>> tokens.count_for(BatchLoad(16, [128] * 16))  # 4x longer: 4x the microbatches
+        4
     """
 
     def __init__(
@@ -98,7 +115,10 @@ class SplitController:
         min_microbatch_size: int = 1,
         max_split_count: int | None = None,
         grow_after: int | None = None,
+        unit: str = "rows",
     ) -> None:
+        if unit not in ("rows", "tokens"):
+            raise ValueError(f"SplitController: unit must be 'rows' or 'tokens', got {unit!r}")
         _positive_int("split_count", split_count)
         _positive_int("min_microbatch_size", min_microbatch_size)
         _positive_int("max_split_count", max_split_count, allow_none=True)
@@ -111,10 +131,11 @@ class SplitController:
         self.min_microbatch_size = min_microbatch_size
         self.max_split_count = max_split_count
         self.grow_after = grow_after
+        self.unit = unit
         self._start_split_count = split_count
         self._fits = 0  # largest microbatch size (rows) that completed a step; 0: none yet
         self._fails: int | None = None  # smallest microbatch size that ran out of memory
-        self._last_rows: int | None = None
+        self._last_rows: BatchLoad | None = None
         self._steps_since_oom = 0
         self._grow_pending = False
         self._tried: list[int] = []  # sizes that failed on the current batch, for error messages
@@ -143,10 +164,26 @@ class SplitController:
         if self._fits:
             return self._fits
         if self._fails is not None:
-            return max(self.min_microbatch_size, (self._fails + 1) // 2)
+            return max(self.min_microbatch_size if self.unit == "rows" else 1, (self._fails + 1) // 2)
         return None
 
-    def count_for(self, rows: int) -> int:
+    def _load(self, rows: int | BatchLoad) -> BatchLoad:
+        if isinstance(rows, BatchLoad):
+            if rows.unit != self.unit:
+                raise ValueError(
+                    f"SplitController(unit={self.unit!r}) got a BatchLoad in {rows.unit}: "
+                    "pass batch.load(controller.unit)"
+                )
+            return rows
+        _positive_int("rows", rows)
+        if self.unit != "rows":
+            raise TypeError(
+                f"SplitController(unit={self.unit!r}) plans with each batch's lengths, not a row count {rows!r}: "
+                "pass batch.load('tokens') of an ElasticBatch from a loader with pad_values"
+            )
+        return BatchLoad(rows)
+
+    def count_for(self, rows: int | BatchLoad) -> int:
         """The settled count for a batch of ``rows`` rows, without probing (what the loader tags).
 
         Example:
@@ -155,36 +192,37 @@ class SplitController:
             >>> controller.count_for(10)
             3
         """
-        return self._clamp(rows, self._settled_count(rows))
+        load = self._load(rows)
+        return self._clamp(load.rows, self._settled_count(load))
 
-    def plan(self, rows: int) -> int:
+    def plan(self, rows: int | BatchLoad) -> int:
         """The count to try next on a batch of ``rows`` rows; may probe a larger microbatch.
 
         Args:
-            rows: The batch's rows on this process.
+            rows: The batch's rows on this process (``unit="tokens"``: its ``BatchLoad``).
 
         Returns:
             A count between 1 and ``rows``.
         """
-        _positive_int("rows", rows)
-        self._last_rows = rows
-        settled = self._settled_count(rows)
+        load = self._load(rows)
+        self._last_rows = load
+        settled = self._settled_count(load)
         count = settled
         if self._grow_pending:
             count = settled - 1
         elif self._fits and self._fails is not None and 10 * self._fits < 9 * (self._fails - 1):
-            count = math.ceil(rows / ((self._fits + self._fails) // 2))
+            count = load.count_within((self._fits + self._fails) // 2)
             if count >= settled:
                 count = settled - 1
-            if count < 1 or math.ceil(rows / count) >= self._fails:
+            if count < 1 or load.size_at(count) >= self._fails:
                 count = settled  # no count of this batch falls strictly between fits and fails
-        return self._clamp(rows, max(count, 1))
+        return self._clamp(load.rows, max(count, 1))
 
-    def _settled_count(self, rows: int) -> int:
+    def _settled_count(self, load: BatchLoad) -> int:
         if self._fits:
-            return math.ceil(rows / self._fits)
+            return load.count_within(self._fits)
         if self._fails is not None:
-            return math.ceil(rows / max(1, (self._fails + 1) // 2))
+            return load.count_within(max(1, (self._fails + 1) // 2))
         return self._start_split_count
 
     def _clamp(self, rows: int, count: int) -> int:
@@ -195,22 +233,24 @@ class SplitController:
 
     # -- what happened ------------------------------------------------------------------------
 
-    def record_success(self, size: int, rows: int) -> None:
+    def record_success(self, size: int, rows: int | BatchLoad) -> None:
         """Report a step whose largest microbatch had ``size`` rows (all ranks: the smallest of them).
 
         Args:
-            size: Rows of the largest microbatch of the step that completed.
-            rows: The batch's rows.
+            size: Rows of the largest microbatch of the step that completed (``unit="tokens"``:
+                its padded positions).
+            rows: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
         """
+        load = self._load(rows)
         before = self.split_count
         self._fits = max(self._fits, size)
         if self._fails is not None and self._fits >= self._fails:
             self._fails = None  # memory grew past an old failure
-        self._last_rows = rows
+        self._last_rows = load
         self._tried.clear()
         self._grow_pending = False
         self._steps_since_oom += 1
-        if self.grow_after is not None and self._steps_since_oom >= self.grow_after and self.count_for(rows) > 1:
+        if self.grow_after is not None and self._steps_since_oom >= self.grow_after and self.count_for(load) > 1:
             self._grow_pending = True
             self._steps_since_oom = 0
         after = self.split_count
@@ -219,38 +259,41 @@ class SplitController:
                 "microbatch size %d fits: now %d microbatches of at most %d for a batch of %d",
                 size,
                 after,
-                math.ceil(rows / after),
-                rows,
+                load.size_at(after),
+                load.rows,
             )
 
-    def record_oom(self, size: int, rows: int, discarded: int = 0) -> None:
+    def record_oom(self, size: int, rows: int | BatchLoad, discarded: int = 0) -> None:
         """Report an OOM on a step whose largest microbatch had ``size`` rows, and learn from it.
 
         Args:
             size: Rows of the largest microbatch of the attempt that ran out of memory (all
-                ranks: the smallest size among the ranks that ran out).
-            rows: The batch's rows.
+                ranks: the smallest size among the ranks that ran out; ``unit="tokens"``: its
+                padded positions).
+            rows: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
             discarded: Microbatches of the attempt whose work was thrown away.
 
         Raises:
             ElasticOOMError: no smaller microbatch is allowed (size 1, ``min_microbatch_size``,
                 ``max_split_count``); the message says the batch size and what was tried.
         """
+        load = self._load(rows)
+        rows = load.rows
         before = self.split_count
         self.oom_count += 1
         self.discarded_microbatches += discarded
         self._tried.append(size)
         self._grow_pending = False
         self._steps_since_oom = 0
-        count = math.ceil(rows / size)
-        at_limit = size <= self.min_microbatch_size or (
-            self.max_split_count is not None and count >= self.max_split_count
-        )
+        count = load.count_within(size)
+        # at the limit when no count the limits allow makes the largest microbatch smaller
+        at_limit = load.size_at(self._clamp(rows, rows)) >= size
         if at_limit:
             tried = ", ".join(str(s) for s in self._tried)
             self._tried.clear()
+            unit = "" if self.unit == "rows" else " tokens"
             raise ElasticOOMError(
-                f"out of memory on a batch of {rows} rows even at microbatch size {size} ({count} microbatches); "
+                f"out of memory on a batch of {rows} rows even at microbatch size {size}{unit} ({count} microbatches); "
                 f"microbatch sizes tried on this batch: {tried}. Splitting cannot help further "
                 f"(min_microbatch_size={self.min_microbatch_size}, max_split_count={self.max_split_count}): "
                 "lower the batch size or free memory"
@@ -259,14 +302,14 @@ class SplitController:
         if self._fits >= size:
             self._fits = 0  # memory shrank: what fitted before does not any more
         self.retry_count += 1
-        self._last_rows = rows
-        after = self.plan(rows)
+        self._last_rows = load
+        after = self.plan(load)
         logger.info(
             "OOM at microbatch size %d of %d: now %d microbatches of at most %d (split count %d -> %d)",
             size,
             rows,
             after,
-            math.ceil(rows / after),
+            load.size_at(after),
             before,
             after,
         )
@@ -290,7 +333,11 @@ class SplitController:
             "start_split_count": self._start_split_count,
             "fits": self._fits,
             "fails": self._fails,
-            "last_rows": self._last_rows,
+            "last_rows": None if self._last_rows is None else self._last_rows.rows,
+            "last_lengths": None
+            if self._last_rows is None or self._last_rows.lengths is None
+            else list(self._last_rows.lengths),
+            "unit": self.unit,
             "steps_since_oom": self._steps_since_oom,
             "grow_pending": self._grow_pending,
             "oom_count": self.oom_count,
@@ -320,7 +367,14 @@ class SplitController:
         self._start_split_count = int(state["start_split_count"])
         self._fits = int(state["fits"])
         self._fails = None if state["fails"] is None else int(state["fails"])
-        self._last_rows = None if state["last_rows"] is None else int(state["last_rows"])
+        if state["unit"] != self.unit:
+            raise ValueError(
+                f"SplitController.load_state_dict: the state was learned with unit={state['unit']!r}, this "
+                f"controller has unit={self.unit!r}: create it with SplitController(unit={state['unit']!r})"
+            )
+        self._last_rows = (
+            None if state["last_rows"] is None else BatchLoad(int(state["last_rows"]), state["last_lengths"])
+        )
         self._steps_since_oom = int(state["steps_since_oom"])
         self._grow_pending = bool(state["grow_pending"])
         self._tried.clear()

@@ -11,6 +11,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elastic_batches.batch import ElasticBatch
+from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.collate import ElasticCollate
 from elastic_batches.controller import SplitController
 
@@ -90,6 +91,15 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             loader, defaults to the loader's.
         controller: The :class:`SplitController` shared with the step side; a new one by default
             (or the wrapped ``MicrobatchingDataLoader``'s).
+        pad_values: Field name -> pad value for the per-sample fields whose first dimension
+            varies (``{"input_ids": 0, "labels": -100}``). Samples must be mappings; each batch is
+            padded to its longest sample in the worker, and each microbatch is cut to its own
+            longest sample. Kept as the attribute ``pad_values``. See ``docs/variable_length.md``.
+        sort_by_length: With ``pad_values``, sort each batch's samples longest first so that
+            microbatches group similar lengths (default ``True``; the wrapped loader's setting
+            when wrapping a ``MicrobatchingDataLoader``).
+        shape_buckets: With ``pad_values``, a :class:`ShapeBuckets` that rounds microbatch
+            shapes up so a ``torch.compile``d model recompiles a bounded number of times.
         **dataloader_kwargs: Any other ``DataLoader`` / ``StatefulDataLoader`` argument; when
             wrapping a loader they override its own. ``pin_memory=True`` is ignored when no
             accelerator is present (pinning needs one).
@@ -108,7 +118,15 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         (3, 8, 2)
         >>> [len(mb) for mb in batch.microbatches()]
         [4, 4]
+        >>> texts = [{"ids": torch.arange(n), "text": "ab"[: n % 3]} for n in (2, 5, 3, 9)]
+        >>> loader = eb.MicrobatchingDataLoader(texts, batch_size=4, pad_values={"ids": 0})
+        >>> [tuple(mb.unwrap()["ids"].shape) for mb in next(iter(loader)).microbatches(2)]
+        [(2, 9), (2, 3)]
     """
+
+    pad_values: dict[Any, bool | int | float] | None
+    sort_by_length: bool
+    shape_buckets: ShapeBuckets | None
 
     def __init__(
         self,
@@ -116,8 +134,15 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         batch_size: int | None = _UNSET,
         *,
         controller: SplitController | None = None,
+        pad_values: Mapping[Any, bool | int | float] | None = None,
+        sort_by_length: bool = _UNSET,
+        shape_buckets: ShapeBuckets | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
+        if isinstance(dataset, MicrobatchingDataLoader):
+            pad_values = dataset.pad_values if pad_values is None else pad_values
+            sort_by_length = dataset.sort_by_length if sort_by_length is _UNSET else sort_by_length
+            shape_buckets = dataset.shape_buckets if shape_buckets is None else shape_buckets
         if isinstance(dataset, DataLoader):
             if controller is None and isinstance(dataset, MicrobatchingDataLoader):
                 controller = dataset.controller
@@ -140,8 +165,17 @@ class MicrobatchingDataLoader(StatefulDataLoader):
                 f"MicrobatchingDataLoader: controller must be an elastic_batches.SplitController, got {controller!r}"
             )
         auto_collation = arguments.get("batch_size", 1) is not None or arguments.get("batch_sampler") is not None
-        arguments["collate_fn"] = ElasticCollate(arguments.get("collate_fn"), auto_collation=auto_collation)
+        arguments["collate_fn"] = ElasticCollate(
+            arguments.get("collate_fn"),
+            auto_collation=auto_collation,
+            pad_values=pad_values,
+            sort_by_length=True if sort_by_length is _UNSET else sort_by_length,
+            shape_buckets=shape_buckets,
+        )
         self.controller = controller if controller is not None else SplitController()
+        self.pad_values = arguments["collate_fn"].pad_values
+        self.sort_by_length = arguments["collate_fn"].sort_by_length
+        self.shape_buckets = shape_buckets
         super().__init__(**arguments)
 
     def __iter__(self) -> Iterator[ElasticBatch]:  # type: ignore[override]
@@ -150,7 +184,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
     def _tagged(self, batches: Iterator[Any]) -> Iterator[ElasticBatch]:
         controller = self.controller
         for batch in batches:
-            batch.split_count = controller.count_for(len(batch))
+            batch.split_count = controller.count_for(batch.load(controller.unit))
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -165,7 +165,7 @@ class ElasticStep:
                 release_memory(oom)
                 del attempt
                 try:
-                    self.controller.record_oom(verdict.oom_size, rows, discarded=count)
+                    self.controller.record_oom(verdict.oom_size, batch.load(self.controller.unit), discarded=count)
                 except ElasticOOMError as err:
                     raise err from oom
             self.sync.reduce(params, verdict.scale)
@@ -175,7 +175,7 @@ class ElasticStep:
                 if old is not None:
                     t.grad = old
             merged = True
-            self.controller.record_success(verdict.size, rows)
+            self.controller.record_success(verdict.size, batch.load(self.controller.unit))
             assert attempt.loss is not None
             return attempt.loss
         finally:
@@ -220,7 +220,7 @@ class ElasticStep:
             raise ValueError("ElasticStep.evaluate: the batch is empty (0 rows); skip empty batches before the call")
         while True:
             count = self._count(batch, rows)
-            microbatches = list(batch.microbatches(count))
+            microbatches = list(batch.microbatches(count, balance=self.controller.unit))
             status, error, outputs = OK, None, []
             try:
                 with self.sync.microbatches():
@@ -230,9 +230,10 @@ class ElasticStep:
                         outputs.append(fn(mb.unwrap() if unwrap else mb))
             except Exception as err:
                 status, error, outputs = (OOM if is_oom_error(err) else ERROR), err, []
-            verdict = self.sync.vote(status, len(microbatches[0]), float(rows))
+            load = batch.load(self.controller.unit)
+            verdict = self.sync.vote(status, load.size_at(count), float(rows))
             if verdict.status == OK:
-                self.controller.record_success(verdict.size, rows)
+                self.controller.record_success(verdict.size, load)
                 return outputs
             if error is not None and status == ERROR:
                 raise error
@@ -243,7 +244,7 @@ class ElasticStep:
                 )
             release_memory(error)
             try:
-                self.controller.record_oom(verdict.oom_size, rows, discarded=count)
+                self.controller.record_oom(verdict.oom_size, load, discarded=count)
             except ElasticOOMError as err:
                 raise err from error
             del error
@@ -255,16 +256,17 @@ class ElasticStep:
         must not block the controller's probes of a larger microbatch (refinement, ``grow_after``).
         A higher tag (set by hand, or stale from before a probe succeeded) is obeyed.
         """
-        planned = self.controller.plan(rows)
-        if batch.split_count > self.controller.count_for(rows):
+        load = batch.load(self.controller.unit)
+        planned = self.controller.plan(load)
+        if batch.split_count > self.controller.count_for(load):
             planned = max(planned, batch.split_count)
         return min(rows, planned)
 
     def _attempt(
         self, batch: ElasticBatch, count: int, loss_fn: LossFn, count_fn: CountFn | None, unwrap: bool = True
     ) -> _Attempt:
-        microbatches = list(batch.microbatches(count))
-        size = len(microbatches[0])
+        microbatches = list(batch.microbatches(count, balance=self.controller.unit))
+        size = batch.load(self.controller.unit).size_at(count)  # the largest microbatch's rows (or tokens)
         if count_fn is None:
             total = float(len(batch))
         else:
