@@ -12,7 +12,8 @@ The search:
    interval ``[fits, fails)``, until ``fits >= 0.9 * (fails - 1)``: the settled size is then at
    least 90% of the largest that fits, and it never OOMs again while memory stays as it is.
 3. With ``grow_after=N``, after ``N`` steps without OOM it probes one microbatch fewer; an OOM
-   there falls back to the settled count, and the batch is retried, not lost.
+   there falls back to the settled count, and the batch is retried, not lost. Each failed probe
+   doubles the wait before the next (up to ``64 N``); a probe that succeeds resets it to ``N``.
 4. An OOM at a size that fitted before means memory shrank: what fitted is forgotten and the
    search halves again from there.
 
@@ -48,6 +49,7 @@ _STATE_KEYS = frozenset(
         "unit",
         "steps_since_oom",
         "grow_pending",
+        "grow_wait",
         "oom_count",
         "retry_count",
         "discarded_microbatches",
@@ -63,7 +65,8 @@ def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"SplitController: {name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+        allowed = "an int >= 1 or None" if allow_none else "an int >= 1"
+        raise ValueError(f"SplitController: {name} must be {allowed}, got {value!r}")
 
 
 class SplitController:
@@ -76,7 +79,8 @@ class SplitController:
         max_split_count: Never cut a batch into more microbatches than this; an OOM at this count
             raises :class:`ElasticOOMError`. ``None``: no limit but the batch's rows.
         grow_after: After this many steps without an OOM, probe one microbatch fewer (memory may
-            have grown: shorter sequences, freed buffers). ``None`` (default): never probe.
+            have grown: shorter sequences, freed buffers); the wait doubles after each failed
+            probe, up to 64 times this. ``None`` (default): never probe.
         unit: What a microbatch size counts: ``"rows"`` (default), or ``"tokens"``, its padded
             positions (rows times its longest sample), for batches from a loader with
             ``pad_values``. With ``"tokens"``, pass each batch's ``batch.load("tokens")`` where a
@@ -138,6 +142,7 @@ class SplitController:
         self._last_rows: BatchLoad | None = None
         self._steps_since_oom = 0
         self._grow_pending = False
+        self._grow_wait = grow_after  # steps to wait before the next growth probe; doubles after a failed one
         self._tried: list[int] = []  # sizes that failed on the current batch, for error messages
         self.oom_count = 0
         self.retry_count = 0
@@ -243,6 +248,8 @@ class SplitController:
         """
         load = self._load(rows)
         before = self.split_count
+        if self._grow_pending and size > self._fits and self.grow_after is not None:
+            self._grow_wait = self.grow_after  # a growth probe succeeded: probe at the base rate again
         self._fits = max(self._fits, size)
         if self._fails is not None and self._fits >= self._fails:
             self._fails = None  # memory grew past an old failure
@@ -250,7 +257,7 @@ class SplitController:
         self._tried.clear()
         self._grow_pending = False
         self._steps_since_oom += 1
-        if self.grow_after is not None and self._steps_since_oom >= self.grow_after and self.count_for(load) > 1:
+        if self._grow_wait is not None and self._steps_since_oom >= self._grow_wait and self.count_for(load) > 1:
             self._grow_pending = True
             self._steps_since_oom = 0
         after = self.split_count
@@ -283,6 +290,8 @@ class SplitController:
         self.oom_count += 1
         self.discarded_microbatches += discarded
         self._tried.append(size)
+        if self._grow_pending and self._grow_wait is not None and self.grow_after is not None:
+            self._grow_wait = min(2 * self._grow_wait, 64 * self.grow_after)  # back off: memory did not grow
         self._grow_pending = False
         self._steps_since_oom = 0
         count = load.count_within(size)
@@ -340,6 +349,7 @@ class SplitController:
             "unit": self.unit,
             "steps_since_oom": self._steps_since_oom,
             "grow_pending": self._grow_pending,
+            "grow_wait": self._grow_wait,
             "oom_count": self.oom_count,
             "retry_count": self.retry_count,
             "discarded_microbatches": self.discarded_microbatches,
@@ -377,6 +387,7 @@ class SplitController:
         )
         self._steps_since_oom = int(state["steps_since_oom"])
         self._grow_pending = bool(state["grow_pending"])
+        self._grow_wait = None if state["grow_wait"] is None else int(state["grow_wait"])
         self._tried.clear()
         self.oom_count = int(state["oom_count"])
         self.retry_count = int(state["retry_count"])
