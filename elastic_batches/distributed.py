@@ -1,32 +1,43 @@
 """Agreement across ranks and gradient synchronisation that an OOM on one rank cannot hang.
 
-The protocol (see ``docs/distributed.md`` for the sequence on two ranks):
+The protocol (``docs/distributed.md`` walks through it on two ranks):
 
-1. Every microbatch runs with the framework's gradient synchronisation off (DDP ``no_sync``),
-   so no collective is in flight while a rank may raise an OOM.
-2. After the last microbatch — or after an OOM or an error — every rank enters one small
-   ``all_gather``: its outcome (ok, OOM, error), the size of its largest microbatch, and its
-   weight total (rows, or counted items with ``count_fn``).
-3. If any rank failed, every rank discards the step's gradients and learns the same thing;
-   otherwise each rank scales its gradients by ``total_r / sum(totals)`` and one bucketed
-   ``all_reduce(SUM)`` gives the mean over the global batch.
+1. Every microbatch runs without any collective: DDP under ``no_sync`` with its forward
+   buffer broadcast off; FSDP2 with every parameter all-gathered once *before* the first
+   microbatch and gradient reduction and resharding switched off until the last one is done.
+   A rank may therefore raise at any point of any microbatch without leaving a peer waiting.
+2. Still before any collective, each rank allocates what the gradient reduction will need
+   (``prepare``); an OOM there is an OOM of the attempt like any other.
+3. Every rank then enters one small ``all_gather`` (the *vote*): its outcome (ok, OOM,
+   error), the size of its largest microbatch and its weight total. Every rank learns the
+   same thing from it.
+4. If any rank failed, every rank throws the attempt's gradients away (``discard``) and
+   either retries with the same new split count or raises. Otherwise each rank scales its
+   gradients by ``total_r / sum(totals)`` and reduces them (DDP: bucketed ``all_reduce``;
+   FSDP2: bucketed ``reduce_scatter`` into the sharded gradients), using only the memory
+   allocated in step 2.
+
+:func:`gradient_sync_for` picks the scheme for a model. :meth:`GradientSync.agree` is the
+same small collective for other phases that may raise on one rank only (the optimizer step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["OK", "OOM", "ERROR", "GradientSync", "Verdict", "gradient_sync_for"]
+__all__ = ["ERROR", "OK", "OOM", "GradientSync", "Outcome", "Verdict", "gradient_sync_for"]
 
 OK, OOM, ERROR = 0, 1, 2
 _BUCKET_BYTES = 25 * 1024 * 1024
+_VOTE_WIDTH = 4  # values each rank contributes to one vote
 
 
 class Verdict(NamedTuple):
@@ -47,20 +58,85 @@ class Verdict(NamedTuple):
     error_ranks: tuple[int, ...]
 
 
+class Outcome(NamedTuple):
+    """What all ranks learned from :meth:`GradientSync.agree`.
+
+    Attributes:
+        status: The worst outcome over ranks: ``OK``, ``OOM`` or ``ERROR``.
+        oom_ranks: Ranks that ran out of memory.
+        error_ranks: Ranks that raised an error other than an OOM.
+        sums: The sums over ranks of the values passed.
+    """
+
+    status: int
+    oom_ranks: tuple[int, ...]
+    error_ranks: tuple[int, ...]
+    sums: tuple[float, ...]
+
+
+def _outcome(rows: Sequence[Sequence[float]], count: int) -> Outcome:
+    statuses = [int(r[0]) for r in rows]
+    return Outcome(
+        status=max(statuses),
+        oom_ranks=tuple(rank for rank, s in enumerate(statuses) if s == OOM),
+        error_ranks=tuple(rank for rank, s in enumerate(statuses) if s == ERROR),
+        sums=tuple(math.fsum(r[1 + i] for r in rows) for i in range(count)),
+    )
+
+
 class GradientSync:
-    """Single process: nothing to agree on, nothing to synchronise."""
+    """One process: nothing to agree on, nothing to synchronise.
+
+    The subclasses add agreement across ranks (a plain module), DDP and FSDP2. Every method is
+    called on every rank in the same order, so every collective has its peers.
+
+    Attributes:
+        replicated: Whether every rank holds whole gradients after :meth:`reduce` (a gradient
+            norm is then computed without communication).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.distributed import OK, GradientSync
+        >>> sync = GradientSync(torch.nn.Linear(2, 1))
+        >>> sync.vote(OK, size=4, total=8.0).scale
+        1.0
+    """
+
+    replicated = True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
-        """The context every microbatch of an attempt runs in."""
+        """The context every microbatch of an attempt runs in: no collective may start inside."""
         yield
 
+    def prepare(self) -> None:
+        """Allocate what :meth:`reduce` needs, before the vote: an OOM here is the attempt's OOM."""
+
     def vote(self, status: int, size: int, total: float) -> Verdict:
-        """Share this rank's outcome of an attempt; every rank gets the same verdict back."""
+        """Share this rank's outcome of an attempt; every rank gets the same verdict back.
+
+        Args:
+            status: ``OK``, ``OOM`` or ``ERROR``.
+            size: Size of this rank's largest microbatch (rows, or the controller's unit).
+            total: This rank's weight total (rows, or counted items).
+        """
         return Verdict(status, size if status == OOM else 0, size, 1.0, (0,) if status == ERROR else ())
+
+    def agree(self, status: int, *values: float) -> Outcome:
+        """One small collective: every rank learns every rank's status and the sums of ``values``.
+
+        Args:
+            status: ``OK``, ``OOM`` or ``ERROR``.
+            values: Up to three numbers to sum over ranks (a partial squared gradient norm).
+        """
+        _check_values(values)
+        return _outcome([(status, *values)], len(values))
+
+    def discard(self) -> None:
+        """Forget an attempt that failed on some rank: its partial gradients and prepared buffers."""
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         """Turn the ``.grad`` of ``params`` (this rank's mean over its batch) into the global mean, in place.
@@ -70,6 +146,20 @@ class GradientSync:
         grads = [p.grad for p in params if p.grad is not None]
         if scale != 1.0 and grads:
             torch._foreach_mul_(grads, scale)
+
+    def local_grad_sq_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        """This rank's part of the squared 2-norm of ``grads`` (the whole of it when ``replicated``)."""
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local = [g for g in local if g.numel()]
+        if not local:
+            return 0.0
+        norms = torch._foreach_norm(local, 2.0)
+        return float(torch.stack(norms).double().pow(2).sum())
+
+
+def _check_values(values: Sequence[float]) -> None:
+    if len(values) > _VOTE_WIDTH - 1:
+        raise ValueError(f"GradientSync.agree takes at most {_VOTE_WIDTH - 1} values, got {len(values)}")
 
 
 class _Agreeing(GradientSync):
@@ -84,25 +174,97 @@ class _Agreeing(GradientSync):
             self.device = torch.device("cpu")
         else:
             self.device = next(model.parameters()).device
+        # Allocated once, so that a vote never allocates (an OOM in it would strand the peers).
+        self._staging = torch.zeros(_VOTE_WIDTH, dtype=torch.float64)
+        self._mine = self._staging if self.device.type == "cpu" else self._staging.to(self.device)
+        self._gathered = torch.zeros(self.world_size * _VOTE_WIDTH, dtype=torch.float64, device=self.device)
+
+    def _exchange(self, values: Sequence[float]) -> list[list[float]]:
+        staging = self._staging.numpy()  # written without a dispatched op: nothing to allocate
+        staging[:] = 0.0
+        staging[: len(values)] = values
+        if self._mine is not self._staging:
+            self._mine.copy_(self._staging)
+        dist.all_gather_into_tensor(self._gathered, self._mine, group=self.group)
+        return self._gathered.view(self.world_size, _VOTE_WIDTH).tolist()
 
     def vote(self, status: int, size: int, total: float) -> Verdict:
-        mine = torch.tensor([status, size, total], dtype=torch.float64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.group)
-        rows = torch.stack(gathered).cpu().tolist()
-        statuses = [int(r[0]) for r in rows]
-        oom_sizes = [int(r[1]) for r in rows if int(r[0]) == OOM]
-        grand_total = sum(r[2] for r in rows)
+        gathered = self._exchange((status, size, total))
+        statuses = [int(r[0]) for r in gathered]
+        oom_sizes = [int(r[1]) for r in gathered if int(r[0]) == OOM]
+        grand_total = math.fsum(r[2] for r in gathered)
         return Verdict(
             status=max(statuses),
             oom_size=min(oom_sizes) if oom_sizes else 0,
-            size=min(int(r[1]) for r in rows),
+            size=min(int(r[1]) for r in gathered),
             scale=total / grand_total if grand_total else 0.0,
             error_ranks=tuple(rank for rank, s in enumerate(statuses) if s == ERROR),
         )
 
+    def agree(self, status: int, *values: float) -> Outcome:
+        _check_values(values)
+        return _outcome(self._exchange((status, *values)), len(values))
+
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         pass
+
+
+# -- bucketed collectives over preallocated memory ---------------------------------------------
+
+
+def _buckets(sizes: Sequence[int], element_size: int) -> list[list[int]]:
+    """Indices of consecutive tensors of ``sizes`` elements, grouped in about ``_BUCKET_BYTES``."""
+    buckets: list[list[int]] = []
+    bucket: list[int] = []
+    nbytes = 0
+    for index, numel in enumerate(sizes):
+        if bucket and nbytes >= _BUCKET_BYTES:
+            buckets.append(bucket)
+            bucket, nbytes = [], 0
+        bucket.append(index)
+        nbytes += numel * element_size
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
+def _by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[int]]:
+    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(index)
+    return kinds
+
+
+class _FlatPlan:
+    """Tensors grouped by dtype and device into buckets, with one flat buffer per group, reused per bucket."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.groups: list[tuple[torch.Tensor, list[list[int]]]] = []
+        for (dtype, device), indices in _by_kind(self.tensors).items():
+            sizes = [self.tensors[i].numel() for i in indices]
+            buckets = [[indices[j] for j in b] for b in _buckets(sizes, dtype.itemsize)]
+            largest = max(sum(self.tensors[i].numel() for i in b) for b in buckets)
+            self.groups.append((torch.empty(largest, dtype=dtype, device=device), buckets))
+
+    def run(self, collective: Any, scale: float | None = None) -> None:
+        """Copy each bucket into the flat buffer, apply ``collective`` to it, copy it back."""
+        for flat, buckets in self.groups:
+            for bucket in buckets:
+                views = []
+                offset = 0
+                for i in bucket:
+                    tensor = self.tensors[i]
+                    view = flat[offset : offset + tensor.numel()].view(tensor.shape)
+                    view.copy_(tensor)
+                    views.append(view)
+                    offset += tensor.numel()
+                used = flat[:offset]
+                if scale is not None and scale != 1.0:
+                    used.mul_(scale)
+                collective(used)
+                for i, view in zip(bucket, views, strict=True):
+                    self.tensors[i].copy_(view)
 
 
 class _DistributedDataParallel(_Agreeing):
@@ -111,6 +273,8 @@ class _DistributedDataParallel(_Agreeing):
     def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
         super().__init__(model, model.process_group)
         self.ddp = model
+        self._plan: _FlatPlan | None = None
+        self._buffer_plan: _FlatPlan | None = None
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
@@ -121,45 +285,269 @@ class _DistributedDataParallel(_Agreeing):
         with self.ddp.no_sync():
             yield
 
-    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
+    def prepare(self) -> None:
+        params = [p for p in self.ddp.parameters() if p.requires_grad]
         # Every rank must reduce the same tensors: a parameter unused here may be used elsewhere.
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        for bucket in _buckets(grads):
-            flat = _flatten_dense_tensors(bucket)
-            flat.mul_(scale)
-            dist.all_reduce(flat, group=self.group)
-            for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                grad.copy_(synced)
-        if self.ddp.broadcast_buffers:
-            buffers = [b for b in self.ddp.module.buffers() if b.numel()]
-            for bucket in _buckets(buffers):
-                flat = _flatten_dense_tensors(bucket)
-                dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-                for buffer, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                    buffer.copy_(synced)
+        self._plan = _FlatPlan([p.grad for p in params if p.grad is not None])
+        buffers = [b for b in self.ddp.module.buffers() if b.numel()] if self.ddp.broadcast_buffers else []
+        self._buffer_plan = _FlatPlan(buffers) if buffers else None
+
+    def discard(self) -> None:
+        self._plan = self._buffer_plan = None
+
+    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
+        if self._plan is None:
+            self.prepare()
+        assert self._plan is not None
+        plan, buffer_plan = self._plan, self._buffer_plan
+        self._plan = self._buffer_plan = None
+        plan.run(lambda flat: dist.all_reduce(flat, group=self.group), scale)
+        if buffer_plan is not None:
+            source = dist.get_global_rank(self.ddp.process_group, 0)
+            buffer_plan.run(lambda flat: dist.broadcast(flat, src=source, group=self.group))
 
 
-def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """Consecutive groups of same-dtype, same-device tensors of about ``_BUCKET_BYTES`` each."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        if bucket and (
-            size >= _BUCKET_BYTES or tensor.dtype != bucket[0].dtype or tensor.device != bucket[0].device
-        ):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(tensor)
-        size += tensor.numel() * tensor.element_size()
-    if bucket:
-        yield bucket
+# -- FSDP2 ---------------------------------------------------------------------------------------
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
+
+
+@dataclasses.dataclass
+class _ShardedGrad:
+    """One FSDP2 parameter's gradient on its way from unsharded (every rank) to sharded (this rank's rows)."""
+
+    fsdp_param: Any  # torch's FSDPParam
+    sharded: Any  # the sharded parameter (a DTensor)
+    full: torch.Tensor | None = None  # the accumulated unsharded gradient
+    local: torch.Tensor | None = None  # this rank's rows of the reduced gradient
+    offset: int = 0  # of its segment in a rank's part of the bucket
+    chunk_rows: int = 0  # rows of each rank's (padded) chunk
+    row_numel: int = 1  # elements per row
+
+
+class _FullyShard(_Agreeing):
+    """FSDP2 (``fully_shard``): all-gather once, no collective in the microbatches, reduce-scatter after the vote.
+
+    Memory: while the microbatches run, every FSDP2 module's parameters are unsharded at once
+    and the gradients accumulate unsharded (what DDP holds); after the last microbatch the
+    parameters are resharded, and the reduction takes one bucket of ``world_size x 25 MiB``
+    plus this rank's sharded gradients.
+    """
+
+    replicated = False
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        fsdp_module = _fsdp_module_type()
+        assert fsdp_module is not None
+        self.modules: list[Any] = [m for m in model.modules() if isinstance(m, fsdp_module)]
+        if not hasattr(model, "reset_iter_state"):
+            raise NotImplementedError(
+                f"ElasticStep needs FSDPModule.reset_iter_state to recover FSDP2 after an OOM; torch "
+                f"{torch.__version__} lacks it: upgrade torch (tested with 2.13)"
+            )
+        self._params: list[Any] = []
+        for module in self.modules:
+            for group in _param_groups(module):
+                self._params.extend(group.fsdp_params)
+        managed = {id(fp.sharded_param) for fp in self._params}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in managed:
+                raise NotImplementedError(
+                    f"ElasticStep: parameter {name!r} of the FSDP2 model is not sharded by fully_shard "
+                    "(ignored_params?); shard every trained parameter"
+                )
+        meshes = {id(fp.sharded_param.device_mesh): fp.sharded_param.device_mesh for fp in self._params}
+        if len(meshes) != 1:
+            raise NotImplementedError(f"ElasticStep supports FSDP2 over one device mesh, got {len(meshes)}")
+        (mesh,) = meshes.values()
+        for fp in self._params:
+            p = fp.sharded_param
+            if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or not isinstance(p, DTensor) or p.dim() == 0:
+                raise NotImplementedError(
+                    f"ElasticStep supports FSDP2 with a 1-D mesh and Shard(0) parameters (fully_shard's default); "
+                    f"got placements {tuple(p.placements)} on a {mesh.ndim}-D mesh (HSDP, shard_placement_fn and "
+                    "tensor parallelism are not supported yet)"
+                )
+        super().__init__(model, mesh.get_group())
+        self.root: Any = model
+        self.mesh = mesh
+        self._grads: list[_ShardedGrad] | None = None
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
+
+    def _flags(self) -> list[tuple[Any, Any, bool, Any, bool, tuple[bool, bool]]]:
+        """FSDP2's per-group settings that ``microbatches`` changes, to restore them after."""
+        saved = []
+        for module in self.modules:
+            state = module._get_fsdp_state()
+            for group in _param_groups(module):
+                saved.append(
+                    (
+                        state,
+                        group,
+                        state._auto_reshard_after_forward,
+                        group.post_forward_mesh_info,
+                        group.reshard_after_backward,
+                        (group.reduce_grads, group.all_reduce_grads),
+                    )
+                )
+        return saved
+
+    @contextlib.contextmanager
+    def microbatches(self) -> Iterator[None]:
+        self.root._get_fsdp_state()._lazy_init()  # the root's own defaults first, so that they are restored
+        saved = self._flags()
+        try:
+            for module in self.modules:
+                module.set_reshard_after_forward(False, recurse=False)
+                module.set_reshard_after_backward(False, recurse=False)
+                module.set_requires_gradient_sync(False, recurse=False)
+            for module in self.modules:
+                module.unshard()  # the only all-gathers of the step: every rank is here together
+            try:
+                yield
+            except BaseException:
+                self._drop_unsharded_grads()
+                self.root.reset_iter_state()  # reshards, and clears FSDP's state of the aborted pass
+                raise
+            for module in self.modules:
+                module.reshard()  # the unsharded gradients stay, on FSDP's unsharded parameters
+        finally:
+            for state, group, auto, post_forward, after_backward, (reduce_grads, all_reduce) in saved:
+                state._auto_reshard_after_forward = auto
+                group.post_forward_mesh_info = post_forward
+                group.reshard_after_backward = after_backward
+                group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce
+
+    def _drop_unsharded_grads(self) -> None:
+        for fp in self._params:
+            fp._unsharded_param.grad = None
+            fp.unsharded_accumulated_grad = None
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        world, rank = self.world_size, self.rank
+        grads: list[_ShardedGrad] = []
+        for fp in self._params:
+            p = fp.sharded_param
+            if not p.requires_grad:
+                continue
+            full = fp.unsharded_accumulated_grad
+            if full is None:
+                full = fp._unsharded_param.grad
+            if full is None:  # unused here, maybe used on another rank: every rank reduces the same tensors
+                full = torch.zeros(p.shape, dtype=p.dtype, device=p.to_local().device)
+            rows = p.shape[0]
+            chunk_rows = -(-rows // world)
+            entry = _ShardedGrad(fp, p, full, chunk_rows=chunk_rows, row_numel=p.numel() // rows if rows else 0)
+            entry.local = torch.empty_like(p.to_local())
+            expected = max(0, min(chunk_rows, rows - rank * chunk_rows))
+            if entry.local.shape[0] != expected:
+                raise NotImplementedError(
+                    f"ElasticStep: FSDP2 shard of {tuple(p.shape)} has {entry.local.shape[0]} rows on rank {rank}, "
+                    f"expected torch.chunk's {expected}: this FSDP2 layout is not supported"
+                )
+            grads.append(entry)
+        buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
+        largest: dict[torch.dtype, int] = {}
+        by_dtype: dict[torch.dtype, list[_ShardedGrad]] = {}
+        for entry in grads:
+            assert entry.full is not None
+            by_dtype.setdefault(entry.full.dtype, []).append(entry)
+        for dtype, entries in by_dtype.items():
+            segments = [e.chunk_rows * e.row_numel for e in entries]
+            for bucket in _buckets([s * world for s in segments], dtype.itemsize):
+                offset = 0
+                for i in bucket:
+                    entries[i].offset = offset
+                    offset += segments[i]
+                buckets.append((dtype, [entries[i] for i in bucket], offset))
+                largest[dtype] = max(largest.get(dtype, 0), offset)
+        device = self.mesh.device_type
+        self._buffers = {
+            dtype: (
+                torch.empty(world * n, dtype=dtype, device=device),
+                torch.empty(n, dtype=dtype, device=device),
+            )
+            for dtype, n in largest.items()
+        }
+        self._grads, self._buckets = grads, buckets
+
+    def discard(self) -> None:
+        self._drop_unsharded_grads()
+        self._grads, self._buckets, self._buffers = None, [], {}
+
+    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if self._grads is None:
+            self.prepare()
+        assert self._grads is not None
+        world = self.world_size
+        for dtype, entries, segment in self._buckets:
+            send_buffer, receive_buffer = self._buffers[dtype]
+            send = send_buffer[: world * segment].view(world, segment)
+            for e in entries:
+                assert e.full is not None
+                rows, width = e.sharded.shape[0], e.chunk_rows * e.row_numel
+                full = e.full.reshape(rows, e.row_numel)
+                if rows == world * e.chunk_rows:
+                    send[:, e.offset : e.offset + width].copy_(full.view(world, width))
+                    continue
+                for r in range(world):
+                    lo, hi = r * e.chunk_rows, min((r + 1) * e.chunk_rows, rows)
+                    part = send[r, e.offset : e.offset + width]
+                    filled = max(0, hi - lo) * e.row_numel
+                    if filled:
+                        part[:filled].view(hi - lo, e.row_numel).copy_(full[lo:hi])
+                    part[filled:].zero_()
+            if scale != 1.0:
+                send.mul_(scale)
+            receive = receive_buffer[:segment]
+            _reduce_scatter(receive, send.view(-1), group=self.group)
+            for e in entries:
+                assert e.local is not None
+                e.local.view(-1).copy_(receive[e.offset : e.offset + e.local.numel()])
+        with torch.no_grad():
+            for e in self._grads:
+                assert e.local is not None
+                e.sharded.grad = DTensor.from_local(
+                    e.local, self.mesh, e.sharded.placements, run_check=False, shape=e.sharded.shape,
+                    stride=e.sharded.stride(),
+                )  # fmt: skip
+        self.discard()
+
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _param_groups(module: nn.Module) -> list[Any]:
+    """The FSDPParamGroups of one FSDP2 module (torch internals, read in this one place)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 def gradient_sync_for(model: nn.Module) -> GradientSync:
-    """The synchronisation scheme for ``model``: alone, DDP, or a plain module on several ranks.
+    """The synchronisation scheme for ``model``: alone, DDP, FSDP2, or a plain module on several ranks.
+
+    Raises:
+        NotImplementedError: FSDP1 (``FullyShardedDataParallel``), or an FSDP2 layout other
+            than a 1-D mesh with ``Shard(0)`` parameters.
 
     Example:
         >>> import torch
@@ -171,4 +559,17 @@ def gradient_sync_for(model: nn.Module) -> GradientSync:
         return GradientSync(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return _DistributedDataParallel(model)
+    fsdp_module = _fsdp_module_type()
+    if fsdp_module is not None and isinstance(model, fsdp_module):
+        return _FullyShard(model)
+    if type(model).__name__ == "FullyShardedDataParallel":
+        raise NotImplementedError(
+            "ElasticStep does not support FSDP1 (FullyShardedDataParallel): shard the model with FSDP2, "
+            "torch.distributed.fsdp.fully_shard"
+        )
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
+        raise NotImplementedError(
+            f"ElasticStep: {type(model).__qualname__} holds FSDP2 modules but is not one itself: apply "
+            "fully_shard to the root module too, and pass that module to ElasticStep"
+        )
     return _Agreeing(model)

@@ -12,7 +12,7 @@ from torch import nn
 
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import ElasticOOMError, SplitController
-from elastic_batches.distributed import ERROR, OK, OOM, GradientSync, gradient_sync_for
+from elastic_batches.distributed import ERROR, OK, OOM, GradientSync, Outcome, gradient_sync_for
 from elastic_batches.oom import is_oom_error, release_memory
 
 __all__ = ["ElasticStep"]
@@ -35,6 +35,41 @@ def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
     """Leaf tensors of the batch that require grad: their ``.grad`` is set aside like the parameters'."""
     leaves = batch.data.values(include_nested=True, leaves_only=True)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+
+
+def _stop_together(sync: GradientSync, final: ElasticOOMError | None, oom: BaseException | None) -> None:
+    """After an OOM, every rank learns whether any rank reached its smallest microbatch; then all raise or none.
+
+    Ranks with different batches may reach a limit (``max_split_count``, ``min_microbatch_size``
+    in tokens) at different times; this small collective runs only after an OOM, never in a
+    step that fitted.
+    """
+    outcome = sync.agree(OOM if final is not None else OK)
+    if final is not None:
+        raise final from oom
+    if outcome.status != OK:
+        raise ElasticOOMError(
+            f"rank(s) {list(outcome.oom_ranks)} ran out of memory even at their smallest microbatch; this rank "
+            "stops too instead of waiting for them (see their error for what was tried)"
+        ) from oom
+
+
+def _raise_if_failed(outcome: Outcome, error: BaseException | None, where: str) -> None:
+    """Raise on every rank when a phase that splitting cannot help failed on any rank."""
+    if outcome.status == OK:
+        return
+    if error is not None and not is_oom_error(error):
+        raise error
+    if error is None and outcome.error_ranks:
+        raise RuntimeError(
+            f"ElasticStep.optimizer_step: rank(s) {list(outcome.error_ranks)} raised an error in {where}; "
+            "this rank stops too instead of waiting for them"
+        )
+    raise ElasticOOMError(
+        f"out of memory in {where} on rank(s) {list(outcome.oom_ranks)}: splitting the batch cannot help there, "
+        "so every rank raises this error instead of waiting. Free memory for the optimizer step (optimizer "
+        "state, other tensors kept alive between steps) or use a smaller model"
+    ) from error
 
 
 class ElasticStep:
@@ -154,6 +189,7 @@ class ElasticStep:
                     break
                 for t in params + inputs:
                     t.grad = None
+                self.sync.discard()
                 if attempt.error is not None and attempt.status == ERROR:
                     raise attempt.error
                 if verdict.status == ERROR:
@@ -164,10 +200,12 @@ class ElasticStep:
                 oom = attempt.error
                 release_memory(oom)
                 del attempt
+                final: ElasticOOMError | None = None
                 try:
                     self.controller.record_oom(verdict.oom_size, batch.load(self.controller.unit), discarded=count)
                 except ElasticOOMError as err:
-                    raise err from oom
+                    final = err
+                _stop_together(self.sync, final, oom)
             self.sync.reduce(params, verdict.scale)
             for t, old in zip(params + inputs, stashed, strict=True):
                 if old is not None and t.grad is not None:
@@ -262,6 +300,82 @@ class ElasticStep:
             planned = max(planned, batch.split_count)
         return min(rows, planned)
 
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+    ) -> torch.Tensor | None:
+        """Clip the gradients and step the optimizer, so that an OOM there on any rank raises on every rank.
+
+        Splitting the batch cannot make the optimizer step fit, so an OOM there is final. Under
+        several ranks, a rank that raises alone would leave the others waiting in their next
+        collective: this method ends with one small collective in which every rank learns
+        whether every other rank's step went through, and every rank raises if one did not.
+        With ``grad_scaler``, it unscales, steps and updates the scaler.
+
+        Args:
+            optimizer: The optimizer over the model's parameters.
+            max_grad_norm: Clip the gradients to this total 2-norm before the step, as
+                ``torch.nn.utils.clip_grad_norm_`` does (over all ranks' shards under FSDP2, in
+                the same collective that checks for failures). ``None``: no clipping.
+
+        Returns:
+            The total gradient 2-norm before clipping (a float64 scalar tensor), or ``None``
+            without ``max_grad_norm``.
+
+        Raises:
+            ElasticOOMError: out of memory in the gradient norm or the step, on this rank or
+                another; the message names the ranks.
+            RuntimeError: another rank's step raised an error other than an OOM.
+            ValueError: ``max_grad_norm`` is not positive.
+            Exception: this rank's own error other than an OOM, unchanged.
+
+        Example:
+            >>> import torch
+            >>> import elastic_batches as eb
+            >>> model = torch.nn.Linear(3, 1)
+            >>> step = eb.ElasticStep(model)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> batch = (torch.randn(8, 3), torch.randn(8, 1))
+            >>> _ = step.backward(batch, lambda mb: torch.nn.functional.mse_loss(model(mb[0]), mb[1]))
+            >>> norm = step.optimizer_step(optimizer, max_grad_norm=1e-3)
+            >>> clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+            >>> bool(norm > 1e-3), bool(clipped < 1.1e-3)
+            (True, True)
+        """
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"ElasticStep.optimizer_step: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        status, error, total_sq = OK, None, 0.0
+        try:
+            if self.grad_scaler is not None:
+                self.grad_scaler.unscale_(optimizer)
+            if max_grad_norm is not None:
+                total_sq = self.sync.local_grad_sq_norm(grads)
+        except Exception as err:
+            status, error = (OOM if is_oom_error(err) else ERROR), err
+        if max_grad_norm is not None and not self.sync.replicated:
+            outcome = self.sync.agree(status, total_sq)  # sums the shards' parts of the norm; also a vote
+            _raise_if_failed(outcome, error, "the gradient norm")
+            total_sq = outcome.sums[0]
+        norm = None
+        if status == OK:
+            try:
+                if max_grad_norm is not None:
+                    norm = torch.tensor(math.sqrt(total_sq), dtype=torch.float64)
+                    coefficient = max_grad_norm / (math.sqrt(total_sq) + 1e-6)
+                    if coefficient < 1.0:
+                        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+                        with torch.no_grad():
+                            torch._foreach_mul_(local, coefficient)
+                if self.grad_scaler is not None:
+                    self.grad_scaler.step(optimizer)
+                    self.grad_scaler.update()
+                else:
+                    optimizer.step()
+            except Exception as err:
+                status, error = (OOM if is_oom_error(err) else ERROR), err
+        _raise_if_failed(self.sync.agree(status), error, "optimizer.step()")
+        return norm
+
     def _attempt(
         self, batch: ElasticBatch, count: int, loss_fn: LossFn, count_fn: CountFn | None, unwrap: bool = True
     ) -> _Attempt:
@@ -270,7 +384,10 @@ class ElasticStep:
         if count_fn is None:
             total = float(len(batch))
         else:
-            counts = [float(count_fn(mb.unwrap())) for mb in microbatches]
+            try:
+                counts = [float(count_fn(mb.unwrap())) for mb in microbatches]
+            except Exception as err:  # maybe on this rank only: the vote must still happen
+                return _Attempt(OOM if is_oom_error(err) else ERROR, size, 0.0, 0, error=err)
             total = sum(counts)
             microbatches = [
                 dataclasses.replace(mb, weight=c / total if total else 0.0)
@@ -285,6 +402,7 @@ class ElasticStep:
                     if mb.weight == 0.0:
                         continue  # nothing to count in it: its loss would be 0/0
                     loss = loss + self._run(mb, loss_fn, unwrap)
+            self.sync.prepare()  # what the gradient reduction allocates, allocated before the vote
         except Exception as err:
             status = OOM if is_oom_error(err) else ERROR
             return _Attempt(status, size, total, started, error=err)

@@ -1,0 +1,450 @@
+"""Distributed ElasticStep (issue 3): 2 gloo ranks, DDP and FSDP2.
+
+Every case runs on two spawned ranks (``_distributed_harness.RankPool``) under a 60 s
+deadline: a hang fails the test with each rank's stack instead of freezing the suite. The
+reference for every result is plain full-batch training on the union of both ranks' batches,
+computed on each rank in float32; weights must match it within ``RTOL``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _distributed_harness import RankFailure, RankPool
+from torch import nn
+
+import elastic_batches as eb
+from elastic_batches.testing import MemoryBudget, inject_oom, inject_oom_in_optimizer
+
+RTOL = 1e-5
+LR = 0.1
+KINDS = ["ddp", "fsdp"]
+_MESH: Any = None
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
+    pool = RankPool(tmp_path_factory.mktemp("ranks"), world_size=2)
+    yield pool
+    pool.close()
+
+
+# -- helpers that run on the ranks -------------------------------------------------------------
+
+
+def _plain_model(seed: int = 0, width: int = 16, batch_norm: bool = False) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(6, width), nn.Tanh()]
+    if batch_norm:
+        layers.append(nn.BatchNorm1d(width))
+    layers += [nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)]
+    return nn.Sequential(*layers)
+
+
+def _distribute(kind: str, model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    global _MESH
+    if _MESH is None:
+        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=_MESH)
+    return fully_shard(model, mesh=_MESH)
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _batch(step: int, rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(rows, 6, generator=generator)
+    return x, x[:, :1].sin() + 0.1 * torch.randn(rows, 1, generator=generator)
+
+
+def _loss_fn(model: nn.Module):
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = mb
+        return nn.functional.mse_loss(model(x), y)
+
+    return loss_fn
+
+
+def _full(tensors: Iterator[torch.Tensor]) -> torch.Tensor:
+    """Every parameter, whole (a collective for FSDP2: every rank calls it alike)."""
+    parts = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors]
+    return torch.cat([p.detach().reshape(-1) for p in parts])
+
+
+def _reference(rows: list[int], steps: int, seed: int = 0, batch_norm: bool = False) -> torch.Tensor:
+    """Plain full-batch SGD on the union of every rank's batch, every step."""
+    model = _plain_model(seed, batch_norm=batch_norm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = (torch.cat(parts) for parts in zip(*(_batch(step, r, n) for r, n in enumerate(rows)), strict=True))
+        optimizer.zero_grad()
+        _loss_fn(model)((x, y)).backward()
+        optimizer.step()
+    return _full(model.parameters())
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _injections(model: nn.Module, plan: list[tuple[str, str, list[int], int]]) -> list[Any]:
+    """``(phase, target, calls, rank)``: target ``"model"`` or ``"first"`` (the first layer: a partial backward)."""
+    inner = _inner(model)
+    handles = []
+    for phase, target, calls, rank in plan:
+        module = inner if target == "model" else inner[0]
+        handles.append(inject_oom(module, phase=phase, calls=calls, rank=rank))  # type: ignore[arg-type]
+    return handles
+
+
+def _train(
+    rank: int,
+    world: int,
+    kind: str,
+    *,
+    rows: list[int],
+    steps: int = 3,
+    split_count: int = 3,
+    plan: list[tuple[str, str, list[int], int]] | None = None,
+) -> dict[str, Any]:
+    model = _distribute(kind, _plain_model())
+    controller = eb.SplitController(split_count=split_count)
+    step = eb.ElasticStep(model, controller=controller)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    handles = _injections(model, plan or [])
+    counts = []
+    for i in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
+        optimizer.step()
+        counts.append(controller.split_count)
+    fired = [h.fired for h in handles]
+    for h in handles:
+        h.remove()
+    weights = _full(model.parameters())
+    return {
+        "error": _relative_error(weights, _reference(rows, steps)),
+        "counts": counts,
+        "state": controller.state_dict(),
+        "fired": fired,
+        "oom_count": controller.oom_count,
+    }
+
+
+# -- exactness -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [[12, 12], [12, 7]], ids=["same-batch", "different-batches"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_full_batch_training_on_the_union(ranks: RankPool, kind: str, rows: list[int]) -> None:
+    results = ranks.run(_train, kind, timeout=60, rows=rows)
+    for rank, result in enumerate(results):
+        assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
+        assert result["oom_count"] == 0
+
+
+# -- an OOM on one rank, or on both at different microbatches: no hang, same count, same weights --
+
+OOM_PLANS = {
+    # 12 rows in 3 microbatches of 4; forward calls are numbered from 0 over the run
+    "forward-first-rank1": [("forward", "model", [0], 1)],
+    "forward-middle-rank1": [("forward", "model", [1], 1)],
+    "forward-last-rank0": [("forward", "model", [2], 0)],
+    "backward-middle-rank1": [("backward", "first", [1], 1)],
+    "backward-last-rank1": [("backward", "first", [2], 1)],
+    "both-ranks-same-attempt": [("forward", "model", [1], 0), ("backward", "first", [2], 1)],
+    "both-ranks-successive-attempts": [("forward", "model", [1], 0), ("backward", "first", [4], 1)],
+}
+
+
+@pytest.mark.parametrize("plan", list(OOM_PLANS.values()), ids=list(OOM_PLANS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_oom_on_some_ranks_retries_everywhere(ranks: RankPool, kind: str, plan: list[Any]) -> None:
+    results = ranks.run(_train, kind, timeout=60, rows=[12, 12], plan=plan)
+    assert [sum(r["fired"]) for r in results] == [sum(1 for p in plan if p[3] == rank) for rank in range(2)]
+    assert results[0]["counts"] == results[1]["counts"]
+    assert results[0]["counts"][0] > 3, "the OOM raised the split count"
+    assert results[0]["state"] == results[1]["state"]
+    for rank, result in enumerate(results):
+        assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oom_with_different_batch_sizes(ranks: RankPool, kind: str) -> None:
+    results = ranks.run(_train, kind, timeout=60, rows=[12, 7], plan=[("backward", "first", [1], 1)])
+    assert results[1]["fired"] == [1]
+    for rank, result in enumerate(results):
+        assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
+    shared = ("fits", "fails", "oom_count", "retry_count")
+    assert [results[0]["state"][k] for k in shared] == [results[1]["state"][k] for k in shared]
+
+
+def _limit_reached(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Rank 0 (12 rows) reaches max_split_count=4 at microbatch size 3 while rank 1 (7 rows) would go on."""
+    model = _distribute(kind, _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3, max_split_count=4))
+    rows = [12, 7][rank]
+    with inject_oom(_inner(model), phase="forward", calls=[0, 3], rank=0):
+        try:
+            step.backward(_batch(0, rank, rows), _loss_fn(model))
+        except eb.ElasticOOMError as err:
+            return {"raised": str(err)}
+    return {"raised": None}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_limit_reached_on_one_rank_stops_every_rank(ranks: RankPool, kind: str) -> None:
+    results = ranks.run(_limit_reached, kind, timeout=60)
+    assert results[0]["raised"] is not None and "even at microbatch size" in results[0]["raised"]
+    assert results[1]["raised"] is not None and "rank(s) [0] ran out of memory" in results[1]["raised"]
+
+
+# -- BatchNorm with DDP's buffer broadcast ------------------------------------------------------
+
+
+def _batch_norm(rank: int, world: int, plan: list[Any]) -> dict[str, Any]:
+    """ElasticStep against plain DDP with a hand-written accumulation at the same split."""
+    elastic = _distribute("ddp", _plain_model(batch_norm=True), broadcast_buffers=True)
+    plain = _distribute("ddp", _plain_model(batch_norm=True), broadcast_buffers=True)
+    controller = eb.SplitController(split_count=2)
+    step = eb.ElasticStep(elastic, controller=controller)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (elastic, plain)]
+    handles = _injections(elastic, plan)
+    for i in range(3):
+        x, y = _batch(i, rank, 12)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        step.backward((x, y), _loss_fn(elastic))
+        count = controller.split_count
+        pieces = list(zip(x.tensor_split(count), y.tensor_split(count), strict=True))
+        for j, (xj, yj) in enumerate(pieces):
+            context = plain.no_sync() if j < count - 1 else torch.enable_grad()
+            with context:
+                (_loss_fn(plain)((xj, yj)) * (len(xj) / len(x))).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+    for h in handles:
+        h.remove()
+    weights = [torch.cat([p.detach().reshape(-1) for p in m.module.parameters()]) for m in (elastic, plain)]
+    buffers = [torch.cat([b.double().reshape(-1) for b in m.module.buffers()]) for m in (elastic, plain)]
+    gathered = [torch.empty_like(buffers[0]) for _ in range(world)]
+    dist.all_gather(gathered, buffers[0])
+    return {
+        "weight_error": _relative_error(weights[0], weights[1]),
+        "buffer_error": _relative_error(buffers[0], buffers[1]),
+        "buffers_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+        "count": controller.split_count,
+    }
+
+
+def test_batch_norm_with_broadcast_buffers_matches_plain_ddp(ranks: RankPool) -> None:
+    results = ranks.run(_batch_norm, [], timeout=60)
+    assert all(r["buffers_agree"] for r in results)
+    assert results[0]["buffer_error"] <= RTOL, "rank 0's buffers (the ones DDP broadcasts) differ from plain DDP's"
+    for result in results:
+        assert result["weight_error"] <= RTOL
+
+
+def test_batch_norm_with_an_oom_on_one_rank(ranks: RankPool) -> None:
+    results = ranks.run(_batch_norm, [("forward", "model", [1], 1)], timeout=60)
+    assert results[0]["count"] == results[1]["count"] > 2
+    assert all(r["buffers_agree"] for r in results)
+    for result in results:
+        assert result["weight_error"] <= RTOL
+
+
+# -- the optimizer step -------------------------------------------------------------------------
+
+
+def _optimizer_oom(rank: int, world: int, kind: str, max_grad_norm: float | None) -> dict[str, Any]:
+    model = _distribute(kind, _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    outcome: dict[str, Any] = {}
+    with inject_oom_in_optimizer(optimizer, calls=1, rank=0):
+        for i in range(2):
+            optimizer.zero_grad()
+            step.backward(_batch(i, rank, 8), _loss_fn(model))
+            try:
+                step.optimizer_step(optimizer, max_grad_norm=max_grad_norm)
+            except torch.OutOfMemoryError as err:
+                outcome = {"step": i, "type": type(err).__name__, "message": str(err)}
+                break
+    return outcome
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.01], ids=["step", "clip-and-step"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_oom_in_optimizer_step_raises_on_every_rank(ranks: RankPool, kind: str, max_grad_norm: float | None) -> None:
+    results = ranks.run(_optimizer_oom, kind, max_grad_norm, timeout=60)
+    for result in results:
+        assert result["step"] == 1
+        assert result["type"] == "ElasticOOMError"
+        assert "out of memory in optimizer.step() on rank(s) [0]" in result["message"]
+
+
+def _clipped(rank: int, world: int, kind: str) -> dict[str, Any]:
+    rows = [12, 7]
+    model = _distribute(kind, _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    reference = _plain_model()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    norms = []
+    for i in range(2):
+        optimizer.zero_grad()
+        step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
+        norm = step.optimizer_step(optimizer, max_grad_norm=0.05)
+        x, y = (torch.cat(parts) for parts in zip(*(_batch(i, r, n) for r, n in enumerate(rows)), strict=True))
+        reference_optimizer.zero_grad()
+        _loss_fn(reference)((x, y)).backward()
+        reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        reference_optimizer.step()
+        assert norm is not None
+        norms.append(abs(float(norm) / float(reference_norm) - 1))
+    error = _relative_error(_full(model.parameters()), _full(reference.parameters()))
+    return {"norm_error": max(norms), "error": error}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_clipping_matches_clip_grad_norm_on_the_full_batch(ranks: RankPool, kind: str) -> None:
+    for result in ranks.run(_clipped, kind, timeout=60):
+        assert result["norm_error"] <= RTOL
+        assert result["error"] <= RTOL
+
+
+# -- errors that are not OOMs -------------------------------------------------------------------
+
+
+def _error_on_one_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
+    model = _distribute(kind, _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    loss_fn = _loss_fn(model)
+    calls = [0]
+
+    def failing(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 2:
+            raise KeyError("bad sample on rank 1")
+        return loss_fn(mb)
+
+    outcome: dict[str, Any] = {}
+    try:
+        step.backward(_batch(0, rank, 12), failing)
+    except Exception as err:  # every rank must get here
+        outcome = {"type": type(err).__name__, "message": str(err)}
+    grads_clean = all(p.grad is None for p in model.parameters())
+    step.backward(_batch(1, rank, 12), loss_fn)  # the ranks still work together afterwards
+    error = _relative_error(_full(p.grad for p in model.parameters()), _reference_grads([12, 12], 1))
+    return {**outcome, "grads_clean": grads_clean, "error": error}
+
+
+def _reference_grads(rows: list[int], step: int) -> torch.Tensor:
+    model = _plain_model()
+    x, y = (torch.cat(parts) for parts in zip(*(_batch(step, r, n) for r, n in enumerate(rows)), strict=True))
+    _loss_fn(model)((x, y)).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_error_on_one_rank_raises_on_every_rank(ranks: RankPool, kind: str) -> None:
+    results = ranks.run(_error_on_one_rank, kind, timeout=60)
+    assert results[1]["type"] == "KeyError" and "bad sample on rank 1" in results[1]["message"]
+    assert results[0]["type"] == "RuntimeError" and "rank(s) [1] raised an error" in results[0]["message"]
+    for result in results:
+        assert result["grads_clean"]
+        assert result["error"] <= RTOL
+
+
+# -- the controller's state --------------------------------------------------------------------
+
+
+def _resume(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Rank 1 has less simulated memory: a fresh run OOMs there; a run restored from its state does not."""
+    rows = 256  # activations, not parameters, dominate: 256 rows x 64 wide against ~5k parameters
+
+    def peak(split_count: int) -> int:
+        model = _distribute(kind, _plain_model(width=64))
+        step = eb.ElasticStep(model, controller=eb.SplitController(split_count=split_count))
+        budget = MemoryBudget(None)
+        with budget:
+            step.backward(_batch(0, rank, rows), _loss_fn(model))
+        return budget.peak_bytes
+
+    middle = (peak(1) + peak(2)) // 2  # every rank builds the models alike: their constructors communicate
+    limit = middle if rank == 1 else None  # one batch at once does not fit on rank 1; halves do
+
+    def run(state: dict[str, Any] | None) -> tuple[eb.SplitController, int]:
+        model = _distribute(kind, _plain_model(width=64))
+        controller = eb.SplitController()
+        if state is not None:
+            controller.load_state_dict(state)
+        step = eb.ElasticStep(model, controller=controller)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        budget = MemoryBudget(limit)
+        for i in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            with budget:
+                step.backward(_batch(i, rank, rows), _loss_fn(model))
+            optimizer.step()
+        return controller, budget.oom_count
+
+    first, first_ooms = run(None)
+    second, second_ooms = run(first.state_dict())
+    return {
+        "first_ooms": first_ooms,
+        "state": first.state_dict(),
+        "second_ooms": second_ooms,
+        "counts": (first.split_count, second.split_count),
+        "oom_count": (first.oom_count, second.oom_count),
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_controller_state_is_the_same_on_every_rank_and_resumes_without_oom(ranks: RankPool, kind: str) -> None:
+    results = ranks.run(_resume, kind, timeout=60)
+    assert [r["first_ooms"] for r in results] == [0, 1]
+    assert results[0]["state"] == results[1]["state"]
+    assert results[0]["counts"] == results[1]["counts"] == (2, 2)
+    for result in results:
+        assert result["second_ooms"] == 0
+        assert result["oom_count"] == (1, 1), "the restored controller reported no new OOM"
+
+
+# -- the harness itself ------------------------------------------------------------------------
+
+
+def _hang_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        dist.barrier()  # rank 0 never comes
+
+
+def test_a_hang_fails_with_each_rank_stack(ranks: RankPool) -> None:
+    with pytest.raises(RankFailure, match=r"(?s)rank\(s\) \[1\] did not finish _hang_on_rank_1 within 5 s.*barrier"):
+        ranks.run(_hang_on_rank_1, timeout=5)
+
+
+def test_the_pool_recovers_after_a_hang(ranks: RankPool) -> None:
+    results = ranks.run(_train, "ddp", timeout=60, rows=[4, 4], steps=1, split_count=1)
+    assert all(r["error"] <= RTOL for r in results)
+
+
+def test_the_reference_is_not_trivial() -> None:
+    before = _full(_plain_model().parameters())
+    after = _reference([12, 12], 3)
+    assert _relative_error(after, before) > 100 * RTOL
+    assert math.isfinite(float(after.sum()))
