@@ -295,8 +295,9 @@ class SplitController:
         self._grow_pending = False
         self._steps_since_oom = 0
         count = load.count_within(size)
-        # at the limit when no count the limits allow makes the largest microbatch smaller
-        at_limit = load.size_at(self._clamp(rows, rows)) >= size
+        # At the limit when the smallest largest-microbatch the limits allow is what failed. A smaller size
+        # can only come from another rank (whose batch splits finer): this rank then splits all it may.
+        at_limit = load.size_at(self._clamp(rows, rows)) == size
         if at_limit:
             tried = ", ".join(str(s) for s in self._tried)
             self._tried.clear()
