@@ -1,0 +1,56 @@
+"""validation / test / predict steps split into microbatches by ``ElasticStep.evaluate``.
+
+The strategy's ``validation_step``, ``test_step`` and ``predict_step`` are replaced, on the
+strategy instance, by a function that runs the original on each microbatch (so the precision
+context and DDP forward redirection apply), retries the batch on OOM with the stage's own
+controller, logs each ``self.log`` name once with its full-batch value, and returns the
+microbatch outputs combined (predictions concatenated in row order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from elastic_batches.batch import Microbatch
+from elastic_batches.lightning._outputs import combine_outputs
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from elastic_batches.lightning.callback import ElasticAccumulation
+
+__all__ = ["STAGE_OF_HOOK", "elastic_evaluation_hook"]
+
+# strategy hook -> the stage whose controller splits its batches
+STAGE_OF_HOOK = {"validation_step": "validate", "test_step": "test", "predict_step": "predict"}
+
+
+def elastic_evaluation_hook(
+    trainer: pl.Trainer, elastic: ElasticAccumulation, hook: str, original: Callable[..., Any]
+) -> Callable[..., Any]:
+    """The replacement of the strategy's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``)."""
+    stage = STAGE_OF_HOOK[hook]
+
+    def elastic_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        module = trainer.lightning_module
+        step = elastic.step_for(stage)
+        recorder = elastic.recorder_for(module)
+        recorder.start_batch()
+        ran: list[Microbatch] = []
+
+        def fn(mb: Microbatch) -> Any:
+            if mb.index == 0:
+                recorder.start_attempt()
+                ran.clear()
+            ran.append(mb)
+            with recorder.capture(mb.weight):
+                return original(mb.unwrap(), *args, **kwargs)
+
+        outputs = step.evaluate(batch, fn, unwrap=False)
+        recorder.replay()
+        elastic.after_evaluation_batch(trainer, stage, len(ran))
+        return combine_outputs(outputs, [mb.weight for mb in ran], [len(mb) for mb in ran])
+
+    elastic_step.__wrapped__ = original  # type: ignore[attr-defined]
+    return elastic_step

@@ -1,0 +1,108 @@
+"""``ElasticModule``: a LightningModule mixin for explicit control over the automatic split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastic_batches.batch import Microbatch
+from elastic_batches.controller import SplitController
+from elastic_batches.step import ElasticStep
+
+__all__ = ["ElasticModule"]
+
+
+class ElasticModule:
+    """Mixin for a ``LightningModule`` (put it first: ``class Model(ElasticModule, pl.LightningModule)``).
+
+    Every method has a default that behaves like a plain module; override what you need:
+
+    * :meth:`elastic_count`: weight microbatches by counted items (non-padding tokens) instead
+      of rows, so that a loss that is a mean over tokens is exact whatever the split;
+    * :meth:`on_train_microbatch_start` / :meth:`on_train_microbatch_end`: per-microbatch hooks;
+    * :attr:`elastic_controllers`: the Trainer's controllers, to share or inspect;
+    * :meth:`elastic_backward`: the split for ``automatic_optimization = False``.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> from elastic_batches.lightning import ElasticModule
+        >>> class TokenModel(ElasticModule, pl.LightningModule):
+        ...     def elastic_count(self, microbatch):
+        ...         return (microbatch["labels"] != -100).sum()
+        >>> TokenModel().elastic_count({"labels": torch.tensor([[1, -100], [2, 3]])})
+        tensor(3)
+    """
+
+    def elastic_count(self, microbatch: Any) -> torch.Tensor | int | float:
+        """The number of items ``training_step``'s loss on ``microbatch`` is a mean over.
+
+        Override it when the loss is a mean over something other than rows (tokens that are
+        not ignored, say); microbatch ``i`` then carries ``count_i / sum(counts)`` of the batch
+        (over all ranks), which makes the accumulated gradient that of the token mean over the
+        whole batch. Not overridden: microbatches are weighted by rows.
+
+        Args:
+            microbatch: The microbatch, in the structure ``training_step`` receives.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.elastic_count is not overridden: weights follow rows")
+
+    def on_train_microbatch_start(self, microbatch: Microbatch) -> None:
+        """Called before ``training_step`` runs on each microbatch (``microbatch.index``, ``.count``, ``.weight``).
+
+        After an out-of-memory error the batch starts again at ``microbatch.index == 0``.
+        """
+
+    def on_train_microbatch_end(self, microbatch: Microbatch, outputs: Any) -> None:
+        """Called after ``training_step`` returned ``outputs`` on a microbatch, before its backward."""
+
+    @property
+    def elastic_controllers(self) -> dict[str, SplitController]:
+        """The controller of each stage (``"train"``, ``"validate"``, ``"test"``, ``"predict"``).
+
+        Those of the Trainer's ``ElasticAccumulation`` callback once the module is attached to a
+        Trainer that has one; before that, the module's own (handed to nobody).
+        """
+        from elastic_batches.lightning.callback import STAGES, ElasticAccumulation
+
+        elastic = ElasticAccumulation.find(getattr(self, "_trainer", None))
+        if elastic is not None:
+            return elastic.controllers
+        own: dict[str, SplitController] = self.__dict__.setdefault("_elastic_own_controllers", {})
+        for stage in STAGES:
+            own.setdefault(stage, SplitController())
+        return own
+
+    def elastic_backward(
+        self,
+        batch: Any,
+        loss_fn: Callable[[Any], torch.Tensor],
+        *,
+        count_fn: Callable[[Any], torch.Tensor | int | float] | None = None,
+    ) -> torch.Tensor:
+        """Manual optimization: accumulate the batch's gradient in microbatches, through ``manual_backward``.
+
+        Call it in ``training_step`` in place of ``loss = ...; self.manual_backward(loss)``;
+        then clip (``self.clip_gradients``) and step the optimizer as usual. The split count is
+        the ``"train"`` controller's; an out-of-memory error in ``loss_fn`` or its backward
+        retries the batch with more microbatches.
+
+        Args:
+            batch: The batch ``training_step`` received.
+            loss_fn: ``microbatch -> loss`` (a mean over the microbatch's rows, or over the
+                items ``count_fn`` counts).
+            count_fn: Weights microbatches by counted items; defaults to :meth:`elastic_count`
+                when it is overridden.
+
+        Returns:
+            The batch's mean loss, detached.
+        """
+        trainer = self.trainer  # type: ignore[attr-defined]
+        if count_fn is None and type(self).elastic_count is not ElasticModule.elastic_count:
+            count_fn = self.elastic_count
+        backward_fn = self.manual_backward  # type: ignore[attr-defined]
+        controller = self.elastic_controllers["train"]
+        step = ElasticStep(trainer.strategy.model, controller=controller, backward_fn=backward_fn)
+        return step.backward(batch, loss_fn, count_fn=count_fn)
