@@ -1,0 +1,208 @@
+"""Search quality: how large a microbatch each policy settles on, and how many OOMs it spends.
+
+A size oracle stands in for the device: a microbatch of ``s`` rows fits when ``s <= largest``.
+Over a sweep of batch sizes ``B`` and limits ``largest``, each policy trains ``STEPS`` steps on
+batches of ``B`` rows, through the same harness:
+
+* ``elastic``: this library's ``SplitController`` (halving until something fits, then bisection
+  between the largest size that fitted and the smallest that failed, any integer count, balanced
+  splits);
+* ``halving``: halve the microbatch size on each OOM and never grow back, as Composer's
+  ``device_train_microbatch_size="auto"`` does (``6 -> 3 -> 1``);
+* ``decay0.9``: multiply the size by 0.9 on each OOM (``int(size * 0.9)``), as Accelerate's
+  ``find_executable_batch_size`` does, here used to pick the microbatch size.
+
+Each batch is retried until it fits; a step's cost is the number of microbatches it runs. Reported
+per run: the settled microbatch size over ``largest`` (1.0 is perfect), the settled count over the
+fewest microbatches possible (``ceil(B / largest)``), the OOMs spent in all, and the OOMs after the
+first successful step at the settled size (0 is required). The library's targets: size ratio
+>= 0.9 (of what a balanced split of ``B`` can reach) and at most ``ceil(log2(B)) + 4`` OOMs.
+
+Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from _harness import QUICK, emit, table
+
+from elastic_batches import ElasticOOMError, SplitController
+
+STEPS = 30 if QUICK else 60
+
+
+class _Policy:
+    """The interface every policy is driven through: a count to try, then what happened."""
+
+    def plan(self, rows: int) -> int:
+        """Rows of the largest microbatch of the next attempt on a batch of ``rows`` rows."""
+        raise NotImplementedError
+
+    def success(self, size: int, rows: int) -> None:
+        raise NotImplementedError
+
+    def oom(self, size: int, rows: int) -> None:
+        raise NotImplementedError
+
+
+class _Elastic(_Policy):
+    def __init__(self) -> None:
+        self.controller = SplitController()
+
+    def plan(self, rows: int) -> int:
+        return math.ceil(rows / self.controller.plan(rows))  # balanced pieces: 10 rows / 3 -> 4, 3, 3
+
+    def success(self, size: int, rows: int) -> None:
+        self.controller.record_success(size, rows)
+
+    def oom(self, size: int, rows: int) -> None:
+        self.controller.record_oom(size, rows, discarded=1)
+
+
+class _SizeSearch(_Policy):
+    """A microbatch size, shrunk by ``shrink`` on each OOM, never grown."""
+
+    def __init__(self, shrink: Callable[[int], int]) -> None:
+        self.size: int | None = None
+        self.shrink = shrink
+
+    def plan(self, rows: int) -> int:
+        return rows if self.size is None else min(self.size, rows)  # pieces of `size` rows and a remainder
+
+    def success(self, size: int, rows: int) -> None:
+        self.size = size
+
+    def oom(self, size: int, rows: int) -> None:
+        new = self.shrink(size)
+        if new < 1:
+            raise ElasticOOMError(f"no executable microbatch size below {size}")
+        self.size = new
+
+
+def _halving(size: int) -> int:
+    return max(int(size / 2), 1) if size > 1 else 0  # Composer: max(int(size / 2), 1), stops at 1
+
+
+def _decay(size: int) -> int:
+    return int(size * 0.9)  # Accelerate: int(batch_size * 0.9), stops at 0
+
+
+POLICIES: dict[str, Callable[[], _Policy]] = {
+    "elastic": _Elastic,
+    "halving": lambda: _SizeSearch(_halving),
+    "decay0.9": lambda: _SizeSearch(_decay),
+}
+
+
+def run(policy_name: str, rows: int, largest: int, steps: int = STEPS) -> dict[str, float | int | str]:
+    policy = POLICIES[policy_name]()
+    ooms = 0
+    ooms_after_settled = 0
+    settled: int | None = None
+    sizes: list[int] = []
+    for _ in range(steps):
+        while True:
+            size = policy.plan(rows)
+            if size <= largest:
+                policy.success(size, rows)
+                sizes.append(size)
+                break
+            ooms += 1
+            if settled is not None and size <= settled:
+                ooms_after_settled += 1
+            policy.oom(size, rows)
+        if settled is None and len(sizes) >= 2 and sizes[-1] == sizes[-2]:
+            settled = sizes[-1]
+    final = sizes[-1]
+    fewest = math.ceil(rows / largest) if largest < rows else 1
+    best_size = math.ceil(rows / fewest)  # the largest piece a balanced split of `rows` can reach
+    count = math.ceil(rows / final)
+    return {
+        "policy": policy_name,
+        "batch": rows,
+        "largest": largest,
+        "settled_size": final,
+        "size_ratio": final / min(largest, rows),
+        "size_ratio_reachable": final / best_size,
+        "count": count,
+        "fewest_count": fewest,
+        "count_ratio": count / fewest,
+        "ooms": ooms,
+        "oom_bound": math.ceil(math.log2(rows)) + 4,
+        "ooms_at_or_below_settled": ooms_after_settled,
+    }
+
+
+def sweep() -> list[tuple[int, int]]:
+    cases = []
+    for rows in (64, 256, 1000, 4096):
+        limits = {1, 3, 7, 47, rows // 10, rows // 3, rows // 2 + 1, (3 * rows) // 4, rows - 1, rows}
+        cases.extend((rows, largest) for largest in sorted(limit for limit in limits if 1 <= limit <= rows))
+    return cases
+
+
+def main() -> None:
+    results = [run(name, rows, largest) for rows, largest in sweep() for name in POLICIES]
+    by_case: dict[tuple[int, int], dict[str, dict[str, float | int | str]]] = {}
+    for r in results:
+        by_case.setdefault((int(r["batch"]), int(r["largest"])), {})[str(r["policy"])] = r
+
+    headers = ["B", "largest fits"]
+    for name in POLICIES:
+        headers += [f"{name} size/largest", f"{name} count/fewest", f"{name} OOMs"]
+    rows_out = []
+    for (rows, largest), per in sorted(by_case.items()):
+        row: list[object] = [rows, largest]
+        for name in POLICIES:
+            r = per[name]
+            row += [float(r["size_ratio"]), float(r["count_ratio"]), int(r["ooms"])]
+        rows_out.append(row)
+    print(f"search quality over {len(by_case)} (batch, limit) cases, {STEPS} steps each")
+    print(table(headers, rows_out))
+
+    summary = []
+    for name in POLICIES:
+        rs = [r for r in results if r["policy"] == name]
+        summary.append(
+            [
+                name,
+                min(float(r["size_ratio_reachable"]) for r in rs),
+                sum(float(r["size_ratio"]) for r in rs) / len(rs),
+                max(float(r["count_ratio"]) for r in rs),
+                sum(float(r["count_ratio"]) for r in rs) / len(rs),
+                max(int(r["ooms"]) for r in rs),
+                sum(int(r["ooms"]) for r in rs) / len(rs),
+                sum(int(r["ooms"]) > int(r["oom_bound"]) for r in rs),
+                sum(int(r["ooms_at_or_below_settled"]) for r in rs),
+            ]
+        )
+    print()
+    print(
+        table(
+            [
+                "policy",
+                "min size/reachable",
+                "mean size/largest",
+                "max count/fewest",
+                "mean count/fewest",
+                "max OOMs",
+                "mean OOMs",
+                "cases over OOM bound",
+                "OOMs at settled size",
+            ],
+            summary,
+        )
+    )
+    print(
+        "\nsize/reachable: settled size over the largest piece a balanced split of B can have under the limit "
+        "(target >= 0.9); count/fewest: microbatches run per step over the fewest possible; "
+        "OOM bound: ceil(log2(B)) + 4."
+    )
+    for r in results:
+        emit({"benchmark": "search_quality", **r})
+
+
+if __name__ == "__main__":
+    main()
