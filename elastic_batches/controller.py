@@ -375,14 +375,14 @@ class SplitController:
                 f"SplitController.load_state_dict: state version {state['version']!r} is not supported "
                 f"(this elastic_batches writes version {_STATE_VERSION})"
             )
-        self._start_split_count = int(state["start_split_count"])
-        self._fits = int(state["fits"])
-        self._fails = None if state["fails"] is None else int(state["fails"])
         if state["unit"] != self.unit:
             raise ValueError(
                 f"SplitController.load_state_dict: the state was learned with unit={state['unit']!r}, this "
                 f"controller has unit={self.unit!r}: create it with SplitController(unit={state['unit']!r})"
             )
+        self._start_split_count = int(state["start_split_count"])
+        self._fits = int(state["fits"])
+        self._fails = None if state["fails"] is None else int(state["fails"])
         self._last_rows = (
             None if state["last_rows"] is None else BatchLoad(int(state["last_rows"]), state["last_lengths"])
         )

@@ -54,7 +54,7 @@ def is_oom_error(exc: BaseException) -> bool:
     """
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    if type(exc) is not RuntimeError:
+    if not isinstance(exc, RuntimeError):  # torch.AcceleratorError (CUDA runtime errors) subclasses it
         return False
     message = str(exc)
     return any(pattern in message for pattern in _OOM_MESSAGES)

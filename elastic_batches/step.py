@@ -197,15 +197,18 @@ class ElasticStep:
                         f"ElasticStep.backward: rank(s) {list(verdict.error_ranks)} raised an error in loss_fn or "
                         "backward; this rank stops too instead of waiting for them"
                     )
-                oom = attempt.error
-                release_memory(oom)
+                oom, started = attempt.error, attempt.started
                 del attempt
                 final: ElasticOOMError | None = None
                 try:
-                    self.controller.record_oom(verdict.oom_size, batch.load(self.controller.unit), discarded=count)
+                    self.controller.record_oom(verdict.oom_size, batch.load(self.controller.unit), discarded=started)
                 except ElasticOOMError as err:
                     final = err
                 _stop_together(self.sync, final, oom)
+                # Drop the error before collecting: its traceback keeps the failed attempt's tensors alive
+                # through frames that clear_frames cannot reach (closure cells of hooked modules' forward).
+                del oom
+                release_memory()
             self.sync.reduce(params, verdict.scale)
             for t, old in zip(params + inputs, stashed, strict=True):
                 if old is not None and t.grad is not None:
@@ -280,12 +283,12 @@ class ElasticStep:
                     f"ElasticStep.evaluate: rank(s) {list(verdict.error_ranks)} raised an error in fn; "
                     "this rank stops too instead of waiting for them"
                 )
-            release_memory(error)
             try:
                 self.controller.record_oom(verdict.oom_size, load, discarded=count)
             except ElasticOOMError as err:
                 raise err from error
-            del error
+            del error  # before collecting: its traceback keeps the failed attempt's tensors alive
+            release_memory()
 
     def _count(self, batch: ElasticBatch, rows: int) -> int:
         """The count for the next attempt: the controller's plan, unless the batch's tag asks for more.

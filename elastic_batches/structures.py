@@ -206,7 +206,10 @@ class _Flattener:
         self.sizes: dict[str, int] = {}
 
     def add(self, path: tuple[str, ...], value: Any, size: int) -> str:
-        key = _path_key(path)
+        key = base = _path_key(path)
+        suffix = 1
+        while key in self.fields:  # {"a.b": x, "a": {"b": y}} or {1: x, "1": y}: keep both fields
+            key, suffix = f"{base}#{suffix}", suffix + 1
         self.fields[key] = value
         self.sizes[key] = size
         return key
