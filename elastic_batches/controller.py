@@ -209,8 +209,7 @@ class SplitController:
         Returns:
             A count between 1 and ``rows``.
         """
-        load = self._load(rows)
-        self._last_rows = load
+        load = self._load(rows)  # asking changes nothing: only record_success / record_oom learn
         settled = self._settled_count(load)
         count = settled
         if self._grow_pending:

@@ -1,0 +1,488 @@
+"""``ElasticStep.backward``: the same update as one full-batch step, whatever splits and OOMs happen.
+
+Tolerances: float32 gradients must equal the full-batch reference within 1e-6 of the largest
+entry of the reference gradient (``_assert_grads``); only summation order differs. With bf16
+autocast the reference is computed under the same autocast and the tolerance is 2e-2 (bf16 keeps
+8 bits of mantissa).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import elastic_batches as eb
+from elastic_batches.batch import split_sizes
+from elastic_batches.testing import MemoryBudget, inject_oom
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _model(width: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def _batch(rows: int = 12, seed: int = 1) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4, generator=generator), torch.randn(rows, 1, generator=generator)
+
+
+def _mse(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        return (model(mb[0]) - mb[1]).pow(2).mean()
+
+    return loss_fn
+
+
+def _reference(model: nn.Module, *batches: Batch) -> list[torch.Tensor]:
+    """Sum over ``batches`` of the gradient of each full-batch mean loss, leaving ``.grad`` alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for batch in batches:
+        grads = torch.autograd.grad(_mse(model)(batch), params)
+        total = [t + g for t, g in zip(total, grads, strict=True)]
+    return total
+
+
+def _assert_grads(model: nn.Module, reference: list[torch.Tensor], rel: float = 1e-6) -> None:
+    """Every entry within ``rel`` of the largest entry of the whole reference gradient (one vector).
+
+    Per tensor would be ill-conditioned: a bias gradient that is a sum of cancelling terms can be
+    100x smaller than its terms, whose float32 rounding then dominates.
+    """
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    scale = max(ref.abs().max().item() for ref in reference)
+    for (name, p), ref in zip(trained, reference, strict=True):
+        assert p.grad is not None, name
+        error = (p.grad - ref).abs().max().item()
+        assert error <= rel * scale, f"{name}: max error {error:.3g} > {rel} x {scale:.3g}"
+
+
+class Sizes:
+    """A loss_fn wrapper that records the rows of every microbatch it sees."""
+
+    def __init__(self, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+        self.loss_fn, self.rows = loss_fn, []
+
+    def __call__(self, mb: Any) -> torch.Tensor:
+        self.rows.append(len(mb[0]))
+        return self.loss_fn(mb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Same update
+
+
+@pytest.mark.parametrize("count", range(1, 8), ids=[f"split-{k}" for k in range(1, 8)])
+def test_grads_equal_the_full_batch_gradient_for_any_split(count: int) -> None:
+    model, batch = _model(), _batch(10)
+    reference = _reference(model, batch)
+    full_loss = _mse(model)(batch).detach()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=count))
+    loss_fn = Sizes(_mse(model))
+    loss = step.backward(batch, loss_fn)
+    assert loss_fn.rows == split_sizes(10, count)  # 10 in 3: 4, 3, 3
+    _assert_grads(model, reference)
+    assert not loss.requires_grad and math.isclose(loss.item(), full_loss.item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"], ids=["forward", "backward"])
+@pytest.mark.parametrize("call", [0, 1, 2], ids=["first-microbatch", "middle-microbatch", "last-microbatch"])
+def test_oom_at_any_microbatch_retries_to_the_same_update(phase: str, call: int) -> None:
+    model, batch = _model(), _batch(12)
+    reference = _reference(model, batch)
+    controller = eb.SplitController(split_count=3)
+    step = eb.ElasticStep(model, controller=controller)
+    loss_fn = Sizes(_mse(model))
+    # backward: strike the first layer, so that the last one already received its share of this microbatch
+    target = model if phase == "forward" else model[0]
+    with inject_oom(target, phase=phase, calls=call) as oom:
+        loss = step.backward(batch, loss_fn)
+    assert oom.fired == 1
+    assert loss_fn.rows == [4] * (call + 1) + [2] * 6  # the failed attempt, then 6 microbatches of 2
+    _assert_grads(model, reference)
+    assert math.isclose(loss.item(), _mse(model)(batch).item(), rel_tol=1e-6)
+    assert (controller.oom_count, controller.retry_count, controller.discarded_microbatches) == (1, 1, call + 1)
+    assert controller.split_count == 6
+
+
+def test_repeated_ooms_in_one_step_still_give_the_same_update() -> None:
+    model, batch = _model(), _batch(12)
+    reference = _reference(model, batch)
+    controller = eb.SplitController()
+    step = eb.ElasticStep(model, controller=controller)
+    with inject_oom(model[0], phase="backward", calls=[0, 2, 4]):  # attempts of 1, 2 (fails at 2nd), 3 ...
+        step.backward(batch, _mse(model))
+    assert controller.oom_count == 3
+    _assert_grads(model, reference)
+
+
+@pytest.mark.parametrize("oom_in_second", [False, True], ids=["no-oom", "oom-in-second-batch"])
+def test_existing_grads_are_kept_and_not_double_counted(oom_in_second: bool) -> None:
+    model = _model()
+    first, second = _batch(10, seed=1), _batch(10, seed=2)
+    reference = _reference(model, first, second)
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    step.backward(first, _mse(model))
+    held = [p.grad for p in model.parameters()]
+    oom = inject_oom(model[0], phase="backward", calls=1)
+    if not oom_in_second:
+        oom.remove()
+    with oom:
+        step.backward(second, _mse(model))
+    _assert_grads(model, reference)
+    assert all(p.grad is g for p, g in zip(model.parameters(), held, strict=True))  # accumulated in place
+
+
+def test_plain_loop_accumulation_before_the_step_is_kept() -> None:
+    model, batch, other = _model(), _batch(8), _batch(8, seed=5)
+    reference = _reference(model, other, batch)
+    _mse(model)(other).backward()  # the user's own backward before the call
+    with inject_oom(model, phase="forward", calls=0):
+        eb.ElasticStep(model).backward(batch, _mse(model))
+    _assert_grads(model, reference)
+
+
+def test_frozen_parameters_are_left_alone() -> None:
+    model, batch = _model(), _batch(8)
+    model[0].weight.requires_grad_(False)
+    reference = _reference(model, batch)
+    eb.ElasticStep(model, controller=eb.SplitController(split_count=3)).backward(batch, _mse(model))
+    assert model[0].weight.grad is None
+    _assert_grads(model, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors other than OOM pass through and change nothing
+
+
+class Boom(Exception):
+    pass
+
+
+def _boom_in_backward(module: nn.Module, call: int, raised: list[BaseException]) -> Callable[[], None]:
+    """Raise ``Boom`` in the backward of forward call ``call`` of ``module``; returns the hook remover."""
+    calls = [0]
+
+    def forward_hook(mod: nn.Module, args: Any, output: torch.Tensor) -> None:
+        index = calls[0]
+        calls[0] += 1
+        if index == call:
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                raised.append(Boom(f"backward of call {index}"))
+                raise raised[-1]
+
+            output.register_hook(grad_hook)
+
+    return module.register_forward_hook(forward_hook).remove
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"], ids=["in-loss-fn", "in-backward"])
+@pytest.mark.parametrize("call", [0, 1, 2], ids=["first-microbatch", "middle-microbatch", "last-microbatch"])
+@pytest.mark.parametrize("learned", [False, True], ids=["fresh-controller", "learned-controller"])
+def test_other_errors_propagate_unchanged_and_leave_grads_and_controller_as_they_were(
+    phase: str, call: int, learned: bool
+) -> None:
+    model = _model()
+    controller = eb.SplitController(split_count=3)
+    step = eb.ElasticStep(model, controller=controller)
+    if learned:
+        with inject_oom(model, phase="forward", calls=0):
+            step.backward(_batch(12, seed=3), _mse(model))  # learns: 6 microbatches
+        controller.record_success(2, 12)
+        calls_per_attempt = 6
+    else:
+        calls_per_attempt = 3
+    model[2].bias.grad = None  # a parameter without grad must stay without
+    before = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    held = {name: p.grad for name, p in model.named_parameters()}
+    state = controller.state_dict()
+    split_count = controller.split_count
+
+    raised: list[BaseException] = []
+    seen = [0]
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        if phase == "forward" and seen[0] == call:
+            raised.append(Boom(f"microbatch {call}"))
+            raise raised[-1]
+        seen[0] += 1
+        return _mse(model)(mb)
+
+    remove = _boom_in_backward(model[0], call, raised) if phase == "backward" else lambda: None
+    try:
+        with pytest.raises(Boom) as excinfo:
+            step.backward(_batch(12), loss_fn)
+    finally:
+        remove()
+    assert call < calls_per_attempt and len(raised) == 1 and excinfo.value is raised[0]  # the same object
+    for name, p in model.named_parameters():
+        if before[name] is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is held[name] and torch.equal(p.grad, before[name]), name  # bit-identical
+    assert controller.split_count == split_count
+    assert controller.state_dict() == state
+
+
+def test_error_on_the_retry_after_an_oom_restores_the_grads() -> None:
+    model = _model()
+    step = eb.ElasticStep(model)
+    _mse(model)(_batch(6, seed=9)).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    attempts = [0]
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        attempts[0] += 1
+        if attempts[0] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        raise Boom("on the retry")
+
+    with pytest.raises(Boom, match="on the retry"):
+        step.backward(_batch(12), loss_fn)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_oom_at_microbatch_size_one_raises_elastic_oom_error_and_restores_grads() -> None:
+    model = _model()
+    step = eb.ElasticStep(model)
+    _mse(model)(_batch(6, seed=9)).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    with pytest.raises(
+        eb.ElasticOOMError,
+        match=r"out of memory on a batch of 12 rows even at microbatch size 1 \(12 microbatches\); "
+        r"microbatch sizes tried on this batch: 12, 6, 3, 2, 1\.",
+    ) as excinfo:
+        step.backward(_batch(12), loss_fn)
+    assert isinstance(excinfo.value, torch.OutOfMemoryError)
+    assert isinstance(excinfo.value.__cause__, torch.OutOfMemoryError)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulated device memory
+
+
+def _peak(model: nn.Module, batch: Batch, count: int) -> int:
+    budget = MemoryBudget(None)
+    with budget:
+        eb.ElasticStep(model, controller=eb.SplitController(split_count=count)).backward(batch, _mse(model))
+    model.zero_grad(set_to_none=True)
+    return budget.peak_bytes
+
+
+def test_memory_budget_run_settles_and_matches_the_reference() -> None:
+    model, batches = _model(width=256), [_batch(64, seed=s) for s in range(6)]
+    limit = (_peak(model, batches[0], 3) + _peak(model, batches[0], 4)) // 2
+    controller = eb.SplitController()
+    step = eb.ElasticStep(model, controller=controller)
+    budget = MemoryBudget(limit)
+    ooms = []
+    for batch in batches:
+        reference = _reference(model, batch)
+        with budget:
+            step.backward(batch, _mse(model))
+        _assert_grads(model, reference)
+        model.zero_grad(set_to_none=True)
+        ooms.append(controller.oom_count)
+    assert controller.split_count == 4  # 3 microbatches of 22 do not fit, 4 of 16 do
+    assert ooms[0] >= 1 and len(set(ooms[-3:])) == 1  # settled: no OOM in the last steps
+    assert budget.oom_count == controller.oom_count <= math.ceil(math.log2(64)) + 4
+    assert budget.live_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tag and controller
+
+
+@pytest.mark.parametrize(
+    ("tag", "controller_count", "expected"),
+    [(5, 1, 5), (2, 4, 4), (4, 4, 4)],
+    ids=["tag-larger", "controller-larger", "equal"],
+)
+def test_step_uses_the_larger_of_tag_and_controller(tag: int, controller_count: int, expected: int) -> None:
+    model = _model()
+    batch = eb.ElasticBatch.wrap(_batch(10), split_count=tag)
+    loss_fn = Sizes(_mse(model))
+    eb.ElasticStep(model, controller=eb.SplitController(split_count=controller_count)).backward(batch, loss_fn)
+    assert loss_fn.rows == split_sizes(10, expected)
+
+
+def test_a_tag_equal_to_the_settled_count_does_not_block_the_controllers_probe() -> None:
+    model = _model()
+    controller = eb.SplitController()
+    controller.record_oom(12, 12)
+    controller.record_oom(6, 12)  # 4 microbatches of 3
+    controller.record_success(3, 12)
+    batch = eb.ElasticBatch.wrap(_batch(12), split_count=controller.count_for(12))  # as the loader tags it
+    loss_fn = Sizes(_mse(model))
+    eb.ElasticStep(model, controller=controller).backward(batch, loss_fn)
+    assert loss_fn.rows == [4, 4, 4]  # the probe between 3 (fits) and 6 (failed)
+
+
+def test_search_through_the_step_with_a_size_oracle_reaches_90_percent() -> None:
+    model, batch = _model(), _batch(100)
+    controller = eb.SplitController()
+    step = eb.ElasticStep(model, controller=controller)
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        if len(mb[0]) > 49:
+            raise torch.OutOfMemoryError("CUDA out of memory (oracle: more than 49 rows)")
+        return _mse(model)(mb)
+
+    for _ in range(12):
+        tagged = eb.ElasticBatch.wrap(batch, split_count=controller.count_for(100))
+        step.backward(tagged, loss_fn)
+        model.zero_grad(set_to_none=True)
+    ooms = controller.oom_count
+    assert ooms <= math.ceil(math.log2(100)) + 4
+    assert math.ceil(100 / controller.split_count) >= 0.9 * 34  # 3 microbatches of 34: no count gives 35..49
+    step.backward(batch, loss_fn)
+    assert controller.oom_count == ooms
+
+
+def test_grow_after_probe_that_fails_loses_no_batch() -> None:
+    model = _model()
+    controller = eb.SplitController(split_count=3, grow_after=1)
+    step = eb.ElasticStep(model, controller=controller)
+    loss_fn = Sizes(lambda mb: _oracle_loss(model, mb, limit=4))
+    for seed in range(4):
+        batch = _batch(12, seed=seed)
+        reference = _reference(model, batch)
+        step.backward(batch, loss_fn)
+        _assert_grads(model, reference)
+        model.zero_grad(set_to_none=True)
+    assert controller.oom_count >= 1  # a growth probe (2 microbatches of 6) failed and the batch was retried
+    assert controller.split_count == 3
+
+
+def _oracle_loss(model: nn.Module, mb: Batch, limit: int) -> torch.Tensor:
+    if len(mb[0]) > limit:
+        raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: more than {limit} rows)")
+    return _mse(model)(mb)
+
+
+# ---------------------------------------------------------------------------------------------
+# AMP
+
+
+def test_grad_scaler_scales_every_microbatch_backward() -> None:
+    model, batch = _model(), _batch(10)
+    reference = _reference(model, batch)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3), grad_scaler=scaler)
+    with inject_oom(model[0], phase="backward", calls=1):
+        loss = step.backward(batch, _mse(model))
+    _assert_grads(model, [r * 2.0**10 for r in reference])
+    assert math.isclose(loss.item(), _mse(model)(batch).item(), rel_tol=1e-6)  # the loss is not scaled
+
+    expected = [p.detach() - 0.1 * r for p, r in zip(model.parameters(), reference, strict=True)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.step(optimizer)
+    scaler.update()
+    for p, e in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_autocast_in_loss_fn_with_grad_scaler() -> None:
+    model, batch = _model(), _batch(10)
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(mb[0])
+        return (out.float() - mb[1]).pow(2).mean()
+
+    params = list(model.parameters())
+    reference = torch.autograd.grad(loss_fn(batch), params)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3), grad_scaler=scaler)
+    step.backward(batch, loss_fn)
+    assert all(p.grad.dtype == torch.float32 for p in params)
+    _assert_grads(model, [r * 2.0**8 for r in reference], rel=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# count_fn: losses that are means over counted items
+
+
+def test_count_fn_gives_the_exact_token_mean_gradient() -> None:
+    torch.manual_seed(3)
+    model = _model()
+    x, y = torch.randn(10, 5, 4), torch.randn(10, 5, 1)
+    mask = torch.zeros(10, 5, dtype=torch.bool)
+    for i, n in enumerate([5, 1, 0, 3, 5, 2, 0, 4, 1, 5]):  # tokens per sample, uneven; two samples without any
+        mask[i, :n] = True
+    batch = {"x": x, "y": y, "mask": mask}
+
+    def loss_fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        err = (model(mb["x"]) - mb["y"]).pow(2).squeeze(-1)
+        return err[mb["mask"]].sum() / mb["mask"].sum()  # mean over this microbatch's tokens
+
+    reference = torch.autograd.grad(loss_fn(batch), list(model.parameters()))
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=5))  # one microbatch holds no token
+    loss = step.backward(batch, loss_fn, count_fn=lambda mb: mb["mask"].sum())
+    _assert_grads(model, list(reference))
+    assert math.isclose(loss.item(), loss_fn(batch).item(), rel_tol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structures and arguments
+
+
+def test_loss_fn_receives_the_users_structure() -> None:
+    model = _model()
+    seen = []
+
+    def loss_fn(mb: dict[str, Any]) -> torch.Tensor:
+        seen.append((type(mb), mb["names"], mb["lr"]))
+        return (model(mb["x"]) - mb["y"]).pow(2).mean()
+
+    batch = {"x": _batch(4)[0], "y": _batch(4)[1], "names": list("abcd"), "lr": 0.5}
+    eb.ElasticStep(model, controller=eb.SplitController(split_count=2)).backward(batch, loss_fn)
+    assert seen == [(dict, ["a", "b"], 0.5), (dict, ["c", "d"], 0.5)]
+
+
+def test_empty_batch_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"ElasticStep\.backward: the batch is empty \(0 rows\)"):
+        eb.ElasticStep(_model()).backward(torch.zeros(0, 4), lambda mb: mb.sum())
+
+
+def test_non_scalar_loss_is_a_clear_error() -> None:
+    model = _model()
+    with pytest.raises(
+        ValueError, match=r"loss_fn must return a scalar loss tensor \(a mean over the microbatch\), got \(4, 1\)"
+    ):
+        eb.ElasticStep(model).backward(_batch(4), lambda mb: model(mb[0]))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        (("model",), {}, TypeError, r"ElasticStep expects an nn\.Module as model, got str"),
+        ((None,), {"controller": 3}, TypeError, r"controller must be an elastic_batches\.SplitController, got 3"),
+        (
+            (None,),
+            {"grad_scaler": torch.amp.GradScaler("cpu"), "backward_fn": lambda loss: None},
+            ValueError,
+            r"pass grad_scaler or backward_fn, not both",
+        ),
+    ],
+    ids=["model", "controller", "scaler-and-backward-fn"],
+)
+def test_constructor_rejects_bad_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], error: type, message: str
+) -> None:
+    args = tuple(_model() if a is None else a for a in args)
+    with pytest.raises(error, match=message):
+        eb.ElasticStep(*args, **kwargs)
