@@ -49,8 +49,8 @@ class Regression(pl.LightningModule):
         optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``.
         scheduler: ``None``, or a Lightning lr scheduler config without the scheduler (interval, frequency).
         batchnorm: Put a BatchNorm1d after the first layer.
-        oom: Keyword arguments of :func:`elastic_batches.testing.inject_oom` on ``self.net`` (installed
-            at ``on_fit_start``, in the worker process under ``ddp_spawn``).
+        oom: Keyword arguments of :func:`elastic_batches.testing.inject_oom` on ``self.net``, or a list
+            of them (installed at ``on_fit_start``, in the worker process under ``ddp_spawn``).
         record_ids: Keep the sample ids each training batch held in ``self.seen``.
     """
 
@@ -60,7 +60,7 @@ class Regression(pl.LightningModule):
         optimizer: str = "sgd",
         scheduler: dict[str, Any] | None = None,
         batchnorm: bool = False,
-        oom: dict[str, Any] | None = None,
+        oom: dict[str, Any] | list[dict[str, Any]] | None = None,
         record_ids: bool = False,
         return_dict: bool = False,
         lr: float = 0.1,
@@ -80,19 +80,20 @@ class Regression(pl.LightningModule):
         self.lr = lr
         self.seen: list[int] = []
         self.batch_outputs: list[Any] = []
-        self._injection: Any = None
+        self._injections: list[Any] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def on_fit_start(self) -> None:
-        if self.oom is not None and self._injection is None:
-            self._injection = inject_oom(self.net, **self.oom)
+        if self.oom is not None and not self._injections:
+            specs = self.oom if isinstance(self.oom, list) else [self.oom]
+            self._injections = [inject_oom(self.net, **spec) for spec in specs]
 
     def on_fit_end(self) -> None:
-        if self._injection is not None:
-            self._injection.remove()
-            self._injection = None
+        for injection in self._injections:
+            injection.remove()
+        self._injections = []
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.record_ids:

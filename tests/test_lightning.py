@@ -466,3 +466,54 @@ def test_datamodule_mixin_loaders_share_the_trainers_controllers_and_train_the_s
     assert_same_parameters(parameters_of(model), parameters_of(reference))
     assert auto_logger.values("val_loss") == pytest.approx(plain_logger.values("val_loss"), rel=1e-5)
     assert auto_logger.values("train_loss_epoch") == pytest.approx(plain_logger.values("train_loss_epoch"), rel=1e-5)
+
+
+def _build_under_lightning_capture(build: Any) -> eb.MicrobatchingDataLoader:
+    # as Lightning calls train_dataloader(): DataLoader.__init__ arguments are saved on the instance
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from torch.utils.data import BatchSampler
+
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        return build()
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["saved-arguments", "attributes", "saved-arguments-wrapping-a-dataloader", "datamodule-shuffle"],
+)
+def test_lightnings_distributed_sampler_injection_recreates_the_loader_per_rank_with_the_same_controller(
+    path: str,
+) -> None:
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    controller = eb.SplitController(split_count=2)
+    builders = {
+        "saved-arguments": lambda: _build_under_lightning_capture(
+            lambda: eb.MicrobatchingDataLoader(IdDataset(), batch_size=5, controller=controller)
+        ),
+        "attributes": lambda: eb.MicrobatchingDataLoader(IdDataset(), batch_size=5, controller=controller),
+        "saved-arguments-wrapping-a-dataloader": lambda: _build_under_lightning_capture(
+            lambda: eb.MicrobatchingDataLoader(loader(5), controller=controller)
+        ),
+        "datamodule-shuffle": lambda: _build_under_lightning_capture(
+            lambda: _Data().elastic_dataloader(IdDataset(), batch_size=5, shuffle=True)
+        ),
+    }
+    original = builders[path]()
+    controller = original.controller
+    shards = []
+    for rank in range(2):
+        # what Lightning's data connector does for each rank under DDP (training: shuffled, seed 0)
+        sampler = _get_distributed_sampler(
+            original, shuffle=True, overfit_batches=0, mode=RunningStage.TRAINING, num_replicas=2, rank=rank
+        )
+        assert type(sampler) is torch.utils.data.DistributedSampler  # replaced, not wrapped
+        recreated = _update_dataloader(original, sampler, mode=RunningStage.TRAINING)
+        assert isinstance(recreated, eb.MicrobatchingDataLoader) and recreated.controller is controller
+        batches = list(recreated)
+        assert [len(b) for b in batches] == [5] * 4 and {b.split_count for b in batches} == {controller.count_for(5)}
+        shards.append([i for b in batches for i in b.unwrap()["id"].tolist()])
+    assert len(set(shards[0])) == len(set(shards[1])) == 20
+    assert set(shards[0]) | set(shards[1]) == set(range(40))

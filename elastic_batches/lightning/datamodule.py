@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
 from elastic_batches.controller import SplitController
 from elastic_batches.loader import MicrobatchingDataLoader
 
@@ -66,7 +68,20 @@ class ElasticDataModule:
             batch_size: Rows per batch; ``None`` keeps the wrapped loader's (or 1 for a dataset).
             stage: Whose controller the loader shares: ``"train"``, ``"validate"``, ``"test"``, ``"predict"``.
             **dataloader_kwargs: Any other ``MicrobatchingDataLoader`` / ``DataLoader`` argument.
+                ``shuffle=True`` over a dataset becomes ``sampler=torch.utils.data.RandomSampler``, as
+                in a plain ``DataLoader``, so that Lightning shards it as it shards a plain loader.
         """
         if batch_size is not None:
             dataloader_kwargs["batch_size"] = batch_size
+        if (
+            dataloader_kwargs.get("shuffle")
+            and dataloader_kwargs.get("sampler") is None
+            and dataloader_kwargs.get("batch_sampler") is None
+            and not isinstance(dataset, (DataLoader, IterableDataset))
+        ):
+            # torch's RandomSampler, as DataLoader(shuffle=True) builds: Lightning replaces it by a
+            # DistributedSampler under DDP, exactly as for the plain loader (torchdata's stateful
+            # RandomSampler would be wrapped instead, which shards the same samples in another order)
+            del dataloader_kwargs["shuffle"]
+            dataloader_kwargs["sampler"] = RandomSampler(dataset, generator=dataloader_kwargs.get("generator"))
         return MicrobatchingDataLoader(dataset, controller=self.elastic_controller(stage), **dataloader_kwargs)

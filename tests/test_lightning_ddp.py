@@ -1,0 +1,173 @@
+"""``elastic_batches.lightning`` under DDP: 2 CPU processes on gloo, ``strategy="ddp"`` and ``"ddp_spawn"``.
+
+Each scenario runs this file as a script in a fresh process group with a hard deadline (a hang
+fails the test and kills every rank); Lightning starts the second rank itself, as it does for a
+user. Every rank saves what it saw and trained to a directory the test then reads.
+
+* ``ddp``: a plain DDP fit, an ``accumulate_grad_batches="auto"`` fit where rank 1 alone runs out
+  of memory (forward of the first microbatch, backward of the last one), and a fit whose
+  DataLoaders are ``MicrobatchingDataLoader``s from an ``ElasticDataModule`` (Lightning injects
+  its ``DistributedSampler`` by re-creating them). Each training batch records its sample ids.
+* ``ddp_spawn``: the auto fit with the rank-1 OOM, under ``ddp_spawn`` (the model is pickled into
+  the workers and its weights come back to the main process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+DEADLINE_S = 150
+HERE = Path(__file__).resolve().parent
+
+
+def _run_scenario(scenario: str, out: Path) -> None:
+    """Run this file as ``python test_lightning_ddp.py scenario out`` with a deadline; fail with its output."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env.pop("MASTER_PORT", None)
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), scenario, str(out)],
+        cwd=HERE.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # every rank: Lightning's second rank is in the same group
+        output, _ = process.communicate()
+        pytest.fail(f"{scenario}: no result after {DEADLINE_S} s (a hang?); output:\n{output[-6000:]}")
+    if process.returncode != 0:
+        pytest.fail(f"{scenario}: exit code {process.returncode}; output:\n{output[-6000:]}")
+
+
+def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_ddp_rank_one_oom_recovers_shards_stay_per_rank_and_weights_equal_plain_ddp(tmp_path: Path) -> None:
+    _run_scenario("ddp", tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank, result in enumerate(ranks):
+        _same(result["auto"]["params"], result["plain"]["params"])
+        _same(result["datamodule"]["params"], result["plain"]["params"])
+        assert result["auto"]["global_step"] == result["plain"]["global_step"] == 8
+        assert result["auto"]["controller"]["retry_count"] == 2, rank  # both ranks retried rank 1's OOMs
+        assert result["auto"]["controller"]["fits"] == ranks[0]["auto"]["controller"]["fits"]
+    for run in ("plain", "auto", "datamodule"):
+        for epoch in range(2):
+            shards = [set(result[run]["seen"][epoch * 20 : (epoch + 1) * 20]) for result in ranks]
+            assert len(shards[0]) == len(shards[1]) == 20, (run, epoch)  # each rank its own 20 samples
+            assert shards[0] | shards[1] == set(range(40)), (run, epoch)  # together the whole dataset
+    assert ranks[0]["datamodule"]["loader"] == ranks[1]["datamodule"]["loader"] == ("MicrobatchingDataLoader", True)
+
+
+def _union_batches(epochs: int, batch_size: int) -> list[list[int]]:
+    """The sample ids of each DDP step: rank 0's batch then rank 1's, from Lightning's DistributedSampler."""
+    from _lightning_models import IdDataset
+
+    steps: list[list[int]] = []
+    for epoch in range(epochs):
+        shards = []
+        for rank in range(2):
+            sampler = DistributedSampler(IdDataset(), num_replicas=2, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        for start in range(0, len(shards[0]), batch_size):
+            steps.append(shards[0][start : start + batch_size] + shards[1][start : start + batch_size])
+    return steps
+
+
+def test_ddp_spawn_rank_one_oom_recovers_and_equals_one_process_on_the_union_batches(tmp_path: Path) -> None:
+    # DDP averages the ranks' mean losses over batches of equal size: the update is that of the
+    # mean loss over the union of the ranks' batches. One process fed those unions (Lightning's
+    # DistributedSampler order, seed 0, reshuffled each epoch) is the plain reference.
+    import lightning.pytorch as pl
+    from _lightning_models import IdDataset, Regression, fit, parameters_of
+
+    _run_scenario("ddp_spawn", tmp_path)
+    result = torch.load(tmp_path / "spawn.pt")
+    reference = Regression()
+    fit(pl.Trainer, reference, DataLoader(IdDataset(), batch_sampler=_union_batches(2, 5)), max_epochs=1)
+    _same(result["params"], parameters_of(reference))
+    assert result["metrics"]["elastic/oom_retries"] == 1.0 and result["metrics"]["elastic/split_count"] == 2.0
+
+
+# -- the scenarios, run as a script ----------------------------------------------------------------
+
+
+def _ddp(out: Path) -> None:
+    import lightning.pytorch as pl
+    from _lightning_models import IdDataset, Regression, loader, parameters_of, quiet_trainer_kwargs
+
+    from elastic_batches.lightning import ElasticDataModule, Trainer
+
+    class Data(ElasticDataModule, pl.LightningDataModule):
+        def train_dataloader(self) -> Any:
+            generator = torch.Generator().manual_seed(1)
+            return self.elastic_dataloader(IdDataset(), batch_size=5, shuffle=True, generator=generator)
+
+    ddp = {"strategy": "ddp", "devices": 2}
+    result: dict[str, Any] = {}
+
+    plain_model = Regression(record_ids=True)
+    plain = pl.Trainer(**quiet_trainer_kwargs(**ddp))
+    plain.fit(plain_model, loader(5, shuffle=True))
+    result["plain"] = {"params": parameters_of(plain_model), "seen": plain_model.seen, "global_step": plain.global_step}
+
+    # rank 1 alone: OOM in the forward of its first microbatch, then in the backward of the last
+    # microbatch of the next batch (the first batch retries as 2: calls 1, 2; the next is 3, 4)
+    oom = [{"phase": "forward", "calls": [0], "rank": 1}, {"phase": "backward", "calls": [4], "rank": 1}]
+    auto_model = Regression(record_ids=True, oom=oom)
+    auto = Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", **ddp))
+    auto.fit(auto_model, loader(5, shuffle=True))
+    result["auto"] = {
+        "params": parameters_of(auto_model),
+        "seen": auto_model.seen,
+        "global_step": auto.global_step,
+        "controller": auto.elastic.controllers["train"].state_dict(),
+    }
+
+    data_model = Regression(record_ids=True, oom={"phase": "backward", "calls": [0], "rank": 0})
+    with_data = Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", **ddp))
+    data = Data()
+    with_data.fit(data_model, datamodule=data)
+    loader_ = with_data.train_dataloader
+    result["datamodule"] = {
+        "params": parameters_of(data_model),
+        "seen": data_model.seen,
+        "loader": (type(loader_).__name__, loader_.controller is with_data.elastic.controllers["train"]),
+    }
+    torch.save(result, out / f"rank{auto.global_rank}.pt")
+
+
+def _ddp_spawn(out: Path) -> None:
+    from _lightning_models import Regression, loader, parameters_of, quiet_trainer_kwargs
+
+    from elastic_batches.lightning import Trainer
+
+    model = Regression(oom={"phase": "backward", "calls": [0], "rank": 1})
+    trainer = Trainer(
+        **quiet_trainer_kwargs(accumulate_grad_batches="auto", strategy="ddp_spawn", devices=2, log_every_n_steps=1)
+    )
+    trainer.fit(model, loader(5))
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    torch.save({"params": parameters_of(model), "metrics": metrics}, out / "spawn.pt")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    scenario, directory = sys.argv[1], Path(sys.argv[2])
+    {"ddp": _ddp, "ddp_spawn": _ddp_spawn}[scenario](directory)
