@@ -356,6 +356,17 @@ def test_batch_size_finder_with_the_callback_is_a_clear_error_before_any_search(
         trainer.fit(_Tunable())
 
 
+def test_fsdp1_is_refused_with_the_fsdp2_way_to_go() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    elastic = ElasticAccumulation()
+    trainer = SimpleNamespace(callbacks=[elastic], strategy=FSDPStrategy())  # FSDPStrategy needs a GPU to run
+    with pytest.raises(ValueError, match="does not support FSDPStrategy.*ModelParallelStrategy"):
+        elastic.setup(trainer, Regression(), "fit")  # type: ignore[arg-type]
+
+
 class _Manual(Regression):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

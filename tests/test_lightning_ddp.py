@@ -57,9 +57,18 @@ def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_ddp_rank_one_oom_recovers_shards_stay_per_rank_and_weights_equal_plain_ddp(tmp_path: Path) -> None:
-    _run_scenario("ddp", tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The "ddp" scenario (DDP fits, then FSDP2 fits in the same two processes), run once: one dict per rank."""
+    out = tmp_path_factory.mktemp("ddp")
+    _run_scenario("ddp", out)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_ddp_rank_one_oom_recovers_shards_stay_per_rank_and_weights_equal_plain_ddp(
+    ddp_results: list[dict[str, Any]],
+) -> None:
+    ranks = ddp_results
     for rank, result in enumerate(ranks):
         _same(result["auto"]["params"], result["plain"]["params"])
         _same(result["datamodule"]["params"], result["plain"]["params"])
@@ -72,6 +81,14 @@ def test_ddp_rank_one_oom_recovers_shards_stay_per_rank_and_weights_equal_plain_
             assert len(shards[0]) == len(shards[1]) == 20, (run, epoch)  # each rank its own 20 samples
             assert shards[0] | shards[1] == set(range(40)), (run, epoch)  # together the whole dataset
     assert ranks[0]["datamodule"]["loader"] == ranks[1]["datamodule"]["loader"] == ("MicrobatchingDataLoader", True)
+
+
+def test_fsdp2_through_model_parallel_strategy_recovers_a_rank_one_oom_and_equals_plain_fsdp2(
+    ddp_results: list[dict[str, Any]],
+) -> None:
+    for result in ddp_results:
+        _same(result["fsdp2_auto"]["params"], result["fsdp2_plain"]["params"])
+        assert result["fsdp2_auto"]["controller"]["retry_count"] == 1
 
 
 def _union_batches(epochs: int, batch_size: int) -> list[list[int]]:
@@ -111,8 +128,18 @@ def test_ddp_spawn_rank_one_oom_recovers_and_equals_one_process_on_the_union_bat
 def _ddp(out: Path) -> None:
     import lightning.pytorch as pl
     from _lightning_models import IdDataset, Regression, loader, parameters_of, quiet_trainer_kwargs
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
 
     from elastic_batches.lightning import ElasticDataModule, Trainer
+
+    class Sharded(Regression):
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
 
     class Data(ElasticDataModule, pl.LightningDataModule):
         def train_dataloader(self) -> Any:
@@ -150,6 +177,19 @@ def _ddp(out: Path) -> None:
         "seen": data_model.seen,
         "loader": (type(loader_).__name__, loader_.controller is with_data.elastic.controllers["train"]),
     }
+
+    # FSDP2 (fully_shard) through Lightning's ModelParallelStrategy, which runs on CPU
+    for name, oom in (("fsdp2_plain", None), ("fsdp2_auto", {"phase": "backward", "calls": [0], "rank": 1})):
+        model = Sharded(oom=oom)
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        trainer_class = pl.Trainer if oom is None else Trainer
+        extra = {} if oom is None else {"accumulate_grad_batches": "auto"}
+        trainer = trainer_class(**quiet_trainer_kwargs(strategy=strategy, devices=2, max_epochs=1, **extra))
+        trainer.fit(model, loader(5))
+        result[name] = {
+            "params": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "controller": None if oom is None else trainer.elastic.controllers["train"].state_dict(),
+        }
     torch.save(result, out / f"rank{auto.global_rank}.pt")
 
 

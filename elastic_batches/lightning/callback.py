@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -166,6 +167,13 @@ class ElasticAccumulation(Callback):
             raise ValueError(
                 f"ElasticAccumulation does not support {type(trainer.strategy).__name__}, which runs gradient "
                 "accumulation itself (DeepSpeed): use its own micro-batch settings, or a DDP/single-device strategy"
+            )
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                "ElasticAccumulation does not support FSDPStrategy (FSDP1: FullyShardedDataParallel reduces gradients "
+                "inside every backward, where an OOM on one rank would leave the others waiting). Shard with FSDP2: "
+                "strategy=ModelParallelStrategy() and torch.distributed.fsdp.fully_shard in configure_model "
+                "(also on the LightningModule itself)"
             )
         if not pl_module.automatic_optimization and not isinstance(pl_module, ElasticModule):
             raise ValueError(
