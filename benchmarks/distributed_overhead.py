@@ -1,0 +1,254 @@
+"""Distributed overhead: ``ElasticStep`` under DDP and FSDP2 against hand-written accumulation at the same split.
+
+Two gloo ranks on the CPU (spawned, ``file://`` rendezvous), one torch thread each. Every
+step, on both sides: forward and backward of the rank's batch in ``SPLIT`` balanced
+microbatches weighted by their rows, gradient synchronisation once, ``SGD.step`` and
+``zero_grad(set_to_none=True)``. The hand-written loops are what a careful user writes:
+
+* DDP: ``no_sync()`` on every microbatch but the last, whose backward all-reduces.
+* FSDP2 (torchtitan's recipe): ``set_requires_gradient_sync(i == last)``, FSDP2's default
+  resharding, so each microbatch all-gathers the parameters again in forward and backward.
+  A second baseline, "FSDP2 kept", also keeps the parameters unsharded during the
+  accumulation (``set_reshard_after_forward/backward(False)`` until the last microbatch): the
+  same memory as ``ElasticStep``'s scheme, which all-gathers once per attempt.
+
+``ElasticStep`` instead runs every microbatch without a collective, then votes (one
+``all_gather`` of 4 numbers), then reduces in its own buckets (DDP: ``all_reduce``; FSDP2:
+``reduce_scatter``). Its cost is split into the vote and the gradient sync (``prepare`` +
+``reduce``), timed inside the step. The vote in a step also absorbs the wait for the slower
+rank (plain DDP waits in its last backward instead), so the vote is also timed alone, with
+the ranks arriving together ("vote alone"). The DDP baseline's sync is estimated as the extra
+time of its last (synchronising) microbatch over the others. For FSDP2 the row "fsdp2 kept"
+gives the second baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over rounds that
+alternate which side runs first, each step bracketed by a barrier and timed as the slower
+rank's. The machine may be shared: rerun before trusting a ratio near the target.
+
+Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds).
+Prints a table, then one JSON line per model and scheme.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import elastic_batches as eb
+
+TARGET = 1.05
+SPLIT = 4
+QUICK = os.environ.get("ELASTIC_BATCHES_BENCH_QUICK", "") not in ("", "0")
+ROUNDS = 6 if QUICK else 30
+MODELS = {
+    # name: (features, hidden width, hidden layers, rows per rank)
+    "mlp-small": (64, 128, 2, 64),  # little arithmetic: the protocol's fixed costs show
+    "mlp-medium": (256, 1024, 3, 256),  # ~2.4 M parameters: gradient sync matters
+}
+
+
+def _model(features: int, width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    modules: list[nn.Module] = [nn.Linear(features, width), nn.ReLU()]
+    for _ in range(layers - 1):
+        modules += [nn.Linear(width, width), nn.ReLU()]
+    modules.append(nn.Linear(width, 1))
+    return nn.Sequential(*modules)
+
+
+def _fsdp(model: nn.Sequential, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+class _Timed:
+    """Wraps the sync object's methods to add their seconds to ``totals``."""
+
+    def __init__(self, sync: Any) -> None:
+        self.totals = {"vote": 0.0, "sync": 0.0}
+        for name, bucket in (("vote", "vote"), ("prepare", "sync"), ("reduce", "sync")):
+            setattr(sync, name, self._timed(getattr(sync, name), bucket))
+
+    def _timed(self, fn: Callable[..., Any], bucket: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[bucket] += time.perf_counter() - start
+
+        return wrapper
+
+
+def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Callable[[], None]], dict[str, Any]]:
+    features, width, layers, rows = MODELS[name]
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(rows, features, generator=generator)
+    y = torch.randn(rows, 1, generator=generator)
+    pieces = list(zip(x.tensor_split(SPLIT), y.tensor_split(SPLIT), strict=True))
+    loss = nn.functional.mse_loss
+    probes: dict[str, Any] = {"last_extra": []}
+
+    wrap = (lambda m: nn.parallel.DistributedDataParallel(m)) if kind == "ddp" else (lambda m: _fsdp(m, mesh))
+    plain, kept, elastic = (wrap(_model(features, width, layers)) for _ in range(3))
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=1e-3) for m in (plain, kept, elastic)}
+
+    def finish(model: nn.Module) -> None:
+        optimizers[id(model)].step()
+        optimizers[id(model)].zero_grad(set_to_none=True)
+
+    def ddp_plain() -> None:
+        times = []
+        for i, (xi, yi) in enumerate(pieces):
+            context = plain.no_sync() if i < SPLIT - 1 else contextlib.nullcontext()
+            start = time.perf_counter()
+            with context:
+                (loss(plain(xi), yi) * (len(xi) / rows)).backward()
+            times.append(time.perf_counter() - start)
+        probes["last_extra"].append(times[-1] - statistics.median(times[:-1]))
+        finish(plain)
+
+    def fsdp_plain(model: Any, keep: bool) -> None:
+        for i, (xi, yi) in enumerate(pieces):
+            last = i == SPLIT - 1
+            model.set_requires_gradient_sync(last)
+            if keep:
+                model.set_reshard_after_forward(last)
+                model.set_reshard_after_backward(last)
+            (loss(model(xi), yi) * (len(xi) / rows)).backward()
+        finish(model)
+
+    step = eb.ElasticStep(elastic, controller=eb.SplitController(split_count=SPLIT))
+    batch = eb.ElasticBatch.wrap((x, y), split_count=SPLIT)  # what MicrobatchingDataLoader yields
+    timed = _Timed(step.sync)
+    probes["timed"], probes["sync"] = timed, step.sync
+
+    def run_elastic() -> None:
+        step.backward(batch, lambda mb: loss(elastic(mb[0]), mb[1]))
+        finish(elastic)
+
+    if kind == "ddp":
+        variants = {"plain": ddp_plain, "elastic": run_elastic}
+    else:
+        variants = {"plain": lambda: fsdp_plain(plain, False), "kept": lambda: fsdp_plain(kept, True)}
+        variants["elastic"] = run_elastic
+    return variants, probes
+
+
+def _measure(rank: int, variants: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+    names = list(variants)
+    for name in names:  # warm-up
+        variants[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(ROUNDS):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            variants[name]()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's time
+            times[name].append(float(elapsed))
+    return times
+
+
+def _vote_alone(sync: Any, calls: int = 50) -> float:
+    """Seconds per vote when the ranks arrive together: its own latency, without waiting for a slower rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        sync.vote(eb.distributed.OK, 1, 1.0)
+    elapsed = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    records = []
+    for name in MODELS:
+        for kind in ("ddp", "fsdp2"):
+            variants, probes = _variants(kind, name, rank, mesh)
+            timed = probes["timed"]
+            timed.totals.update(vote=0.0, sync=0.0)
+            times = _measure(rank, variants)
+            vote_alone = _vote_alone(probes["sync"])
+            calls = ROUNDS + 1  # the warm-up ran once too
+            plain = statistics.median(times["plain"])
+            elastic = statistics.median(times["elastic"])
+            record = {
+                "benchmark": "distributed_overhead",
+                "model": name,
+                "scheme": kind,
+                "split": SPLIT,
+                "plain_ms": 1e3 * plain,
+                "elastic_ms": 1e3 * elastic,
+                "ratio": statistics.median(e / p for e, p in zip(times["elastic"], times["plain"], strict=True)),
+                "vote_ms": 1e3 * timed.totals["vote"] / calls,
+                "vote_alone_ms": 1e3 * vote_alone,
+                "elastic_sync_ms": 1e3 * timed.totals["sync"] / calls,
+                "target": TARGET,
+            }
+            if kind == "ddp":
+                record["plain_sync_ms"] = 1e3 * statistics.median(probes["last_extra"])
+            else:
+                kept = times["kept"]
+                record["kept_ms"] = 1e3 * statistics.median(kept)
+                record["ratio_to_kept"] = statistics.median(e / k for e, k in zip(times["elastic"], kept, strict=True))
+            records.append(record)
+    if rank == 0:
+        results.put(records)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_worker, args=(r, 2, init_file, results)) for r in range(2)]
+        for process in processes:
+            process.start()
+        records = results.get(timeout=1800)
+        for process in processes:
+            process.join()
+    headers = ["model", "scheme", "plain ms", "elastic ms", "ratio", "vote ms", "vote alone ms", "elastic sync ms"]
+    headers.append("plain sync ms")
+    rows = []
+    for r in records:
+        plain_sync = f"{r['plain_sync_ms']:.2f}" if "plain_sync_ms" in r else "n/a"
+        rows.append(
+            [r["model"], r["scheme"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}", f"{r['ratio']:.3f}",
+             f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}", f"{r['elastic_sync_ms']:.2f}", plain_sync]
+        )  # fmt: skip
+        if "kept_ms" in r:
+            kept = [r["model"], "fsdp2 kept", f"{r['kept_ms']:.2f}", "", f"{r['ratio_to_kept']:.3f}"]
+            rows.append(kept + [""] * (len(headers) - len(kept)))
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+    print(f"ElasticStep vs hand-written accumulation at split {SPLIT}, 2 gloo ranks on CPU (target <= {TARGET}x)")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+    for r in records:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
