@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
@@ -66,7 +67,8 @@ def _arguments_of(loader: DataLoader) -> dict[str, Any]:
         arguments.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
     elif loader.batch_sampler is None:
         arguments.update(sampler=loader.sampler, batch_size=None)
-    elif type(loader.batch_sampler) is BatchSampler:
+    elif type(loader.batch_sampler) in (BatchSampler, StatefulBatchSampler) and loader.batch_size is not None:
+        # what batch_size= builds (a batch_sampler= given by the user leaves batch_size None)
         arguments.update(sampler=loader.sampler, batch_size=loader.batch_size, drop_last=loader.drop_last)
     else:
         arguments.update(batch_sampler=loader.batch_sampler, batch_size=1, drop_last=False)
