@@ -385,6 +385,13 @@ class ElasticStep:
         microbatches = list(batch.microbatches(count, balance=self.controller.unit))
         size = batch.load(self.controller.unit).size_at(count)  # the largest microbatch's rows (or tokens)
         if count_fn is None:
+            buckets = batch.padding.buckets if batch.padding is not None else None
+            if buckets is not None and buckets.rows is not None:
+                raise ValueError(
+                    f"ShapeBuckets(rows={buckets.rows!r}) pads microbatches with rows of pad values, which a "
+                    "rows-weighted mean would count: pass count_fn (e.g. non-ignored labels) to "
+                    "ElasticStep.backward, or use ShapeBuckets(rows=None)"
+                )
             total = float(len(batch))
         else:
             try:

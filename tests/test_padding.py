@@ -342,3 +342,12 @@ def test_row_buckets_need_a_pad_value_for_every_field() -> None:
 def test_shape_buckets_check_their_rounding(bad: object) -> None:
     with pytest.raises(ValueError, match=r"ShapeBuckets: lengths must be an int >= 1 \(a multiple\), 'pow2' or None"):
         eb.ShapeBuckets(lengths=bad)  # type: ignore[arg-type]
+
+
+def test_row_buckets_need_count_fn_in_the_step() -> None:
+    samples = [{k: v for k, v in s.items() if k in PAD} for s in make_samples([5, 3, 2])]
+    batch = eb.ElasticCollate(pad_values=PAD, shape_buckets=eb.ShapeBuckets(rows=4))(samples)
+    model = torch.nn.Embedding(50, 2)
+    step = eb.ElasticStep(model)
+    with pytest.raises(ValueError, match=r"ShapeBuckets\(rows=4\) pads microbatches with rows of pad values.*count_fn"):
+        step.backward(batch, lambda mb: model(mb["input_ids"]).mean())
