@@ -283,10 +283,12 @@ class ElasticStep:
                     f"ElasticStep.evaluate: rank(s) {list(verdict.error_ranks)} raised an error in fn; "
                     "this rank stops too instead of waiting for them"
                 )
+            final: ElasticOOMError | None = None
             try:
                 self.controller.record_oom(verdict.oom_size, load, discarded=count)
             except ElasticOOMError as err:
-                raise err from error
+                final = err
+            _stop_together(self.sync, final, error)  # a limit reached on one rank stops every rank
             del error  # before collecting: its traceback keeps the failed attempt's tensors alive
             release_memory()
 

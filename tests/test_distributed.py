@@ -205,22 +205,27 @@ def test_oom_with_different_batch_sizes(ranks: RankPool, kind: str) -> None:
     assert [results[0]["state"][k] for k in shared] == [results[1]["state"][k] for k in shared]
 
 
-def _limit_reached(rank: int, world: int, kind: str) -> dict[str, Any]:
+def _limit_reached(rank: int, world: int, kind: str, stage: str) -> dict[str, Any]:
     """Rank 0 (12 rows) reaches max_split_count=4 at microbatch size 3 while rank 1 (7 rows) would go on."""
     model = _distribute(kind, _plain_model())
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3, max_split_count=4))
-    rows = [12, 7][rank]
+    batch = _batch(0, rank, [12, 7][rank])
     with inject_oom(_inner(model), phase="forward", calls=[0, 3], rank=0):
         try:
-            step.backward(_batch(0, rank, rows), _loss_fn(model))
+            if stage == "backward":
+                step.backward(batch, _loss_fn(model))
+            else:
+                with torch.no_grad():
+                    step.evaluate(batch[0], model)
         except eb.ElasticOOMError as err:
             return {"raised": str(err)}
     return {"raised": None}
 
 
+@pytest.mark.parametrize("stage", ["backward", "evaluate"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_limit_reached_on_one_rank_stops_every_rank(ranks: RankPool, kind: str) -> None:
-    results = ranks.run(_limit_reached, kind, timeout=60)
+def test_a_limit_reached_on_one_rank_stops_every_rank(ranks: RankPool, kind: str, stage: str) -> None:
+    results = ranks.run(_limit_reached, kind, stage, timeout=60)
     assert results[0]["raised"] is not None and "even at microbatch size" in results[0]["raised"]
     assert results[1]["raised"] is not None and "rank(s) [0] ran out of memory" in results[1]["raised"]
 
