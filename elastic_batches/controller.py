@@ -285,7 +285,6 @@ class SplitController:
         """
         load = self._load(rows)
         rows = load.rows
-        before = self.split_count
         self.oom_count += 1
         self.discarded_microbatches += discarded
         self._tried.append(size)
@@ -319,7 +318,7 @@ class SplitController:
             rows,
             after,
             load.size_at(after),
-            before,
+            count,  # the count that ran out of memory (a probe's, not the settled one)
             after,
         )
 

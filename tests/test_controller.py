@@ -250,7 +250,7 @@ def test_one_info_line_per_change_of_count(caplog: pytest.LogCaptureFixture) -> 
     assert lines[0][:2] == (logging.INFO, "elastic_batches.controller")
     assert lines[0][2].startswith("microbatch size 86 fits: now 3 microbatches of at most 86 for a batch of 256")
     assert lines[1][:2] == (logging.INFO, "elastic_batches.controller")
-    assert lines[1][2].startswith("OOM at microbatch size 128 of 256: now 3 microbatches of at most 86")
+    assert lines[1][2] == "OOM at microbatch size 128 of 256: now 3 microbatches of at most 86 (split count 2 -> 3)"
 
 
 def test_halving_logs_each_oom(caplog: pytest.LogCaptureFixture) -> None:
@@ -259,6 +259,7 @@ def test_halving_logs_each_oom(caplog: pytest.LogCaptureFixture) -> None:
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert messages[0].startswith("OOM at microbatch size 256 of 256: now 2 microbatches of at most 128")
     assert messages[1].startswith("OOM at microbatch size 128 of 256: now 4 microbatches of at most 64")
+    assert messages[0].endswith("(split count 1 -> 2)") and messages[1].endswith("(split count 2 -> 4)")
     assert sum(m.startswith("OOM at") for m in messages) == 2
 
 
