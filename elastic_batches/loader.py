@@ -227,5 +227,5 @@ class MicrobatchingDataLoader(StatefulDataLoader):
                 "epoch would be wrong. Resume with the same batch_size, or load only the controller's state: "
                 "loader.controller.load_state_dict(state['controller'])"
             )
+        self.controller.load_state_dict(state_dict["controller"])  # first: it validates, the inner loader does not
         super().load_state_dict(state_dict["loader"])
-        self.controller.load_state_dict(state_dict["controller"])

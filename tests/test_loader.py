@@ -286,11 +286,17 @@ def test_bad_state_dict_names_the_problem(state: dict[str, Any], message: str) -
         _loader().load_state_dict(state)
 
 
-def test_bad_controller_state_inside_a_loader_state_is_named() -> None:
-    state = _loader().state_dict()
+def test_bad_controller_state_inside_a_loader_state_is_named_and_changes_nothing() -> None:
+    saved = _loader()
+    iterator = iter(saved)
+    next(iterator)
+    state = saved.state_dict()
     del state["controller"]["fits"]
+    loader = _loader()
+    expected = [_rows(b) for b in _loader()]
     with pytest.raises(ValueError, match=r"SplitController\.load_state_dict: missing keys \['fits'\]"):
-        _loader().load_state_dict(state)
+        loader.load_state_dict(state)
+    assert [_rows(b) for b in loader] == expected  # the position was not loaded either
 
 
 # ---------------------------------------------------------------------------------------------
