@@ -12,8 +12,8 @@ Rules, in order:
 - a ``TensorDict`` or a tensorclass is one field (it must have the batch as first dimension);
 - a tensor with at least one dimension is a field; a 0-d tensor is broadcast to every microbatch;
 - a mapping, a tuple or namedtuple, a dataclass instance is a container;
-- a list is a container when one of its items is a tensor or a container, else it holds one
-  Python object per sample and is split with the rows;
+- a list is a container when one of its items holds a tensor (at any depth), else it holds one
+  Python object per sample (strings, dicts or lists of plain values...) and is split with the rows;
 - ``str``, ``bytes``, numbers, ``None``, ``torch.dtype``/``torch.device`` and tuples of those
   are broadcast to every microbatch;
 - anything else raises ``TypeError`` naming the type and ``register_batch_type``.
@@ -180,6 +180,21 @@ def _is_container(value: Any) -> bool:
     )
 
 
+def _holds_tensor(value: Any) -> bool:
+    """Whether ``value`` holds a tensor, TensorDict, tensorclass or registered batch at any depth."""
+    if isinstance(value, (torch.Tensor, TensorDictBase)) or is_tensorclass(value):
+        return True
+    if _registration_for(type(value)) is not None:
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_holds_tensor(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
 def _path_key(path: tuple[str, ...]) -> str:
     return ".".join(path) if path else "batch"
 
@@ -244,7 +259,9 @@ class _Flattener:
         if _is_atom(value):
             return _Constant(value)
         if isinstance(value, (list, tuple)):
-            if any(_is_container(item) for item in value):
+            # a list of plain per-sample values (dicts of metadata, token lists) is split with the rows
+            holds = _holds_tensor if isinstance(value, list) else _is_container
+            if any(holds(item) for item in value):
                 rebuild = _rebuild_list if isinstance(value, list) else _rebuild_tuple
                 children = tuple(self.visit(v, (*path, str(i))) for i, v in enumerate(value))
                 return _Sequence(rebuild, children)

@@ -45,6 +45,14 @@ class FrozenSample:
     meta: Any
 
 
+@dataclasses.dataclass
+class Info:
+    """Per-sample metadata without tensors: split with the rows, like strings."""
+
+    index: int
+    name: str
+
+
 @tensorclass
 class Tokens:
     ids: torch.Tensor
@@ -116,6 +124,12 @@ CASES: dict[str, Callable[[range], Any]] = {
     "list-of-strings": _names,
     "list-of-ints-per-sample": lambda r: [i * 7 for i in r],
     "strings-in-dict": lambda r: {"x": _x(r), "text": _names(r)},
+    "per-sample-dicts": lambda r: {
+        "x": _x(r),
+        "meta": [{"id": i, "path": f"/d/{i}", "tags": ["t"] * (i % 3)} for i in r],
+    },
+    "per-sample-token-lists": lambda r: {"ids": _ids(r), "words": [[f"w{j}" for j in range(i % 4)] for i in r]},
+    "per-sample-dataclasses-without-tensors": lambda r: {"x": _x(r), "info": [Info(i, f"n{i}") for i in r]},
     "constants-broadcast": lambda r: {
         "x": _x(r),
         "lr": 0.5,
