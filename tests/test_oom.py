@@ -156,3 +156,20 @@ def test_no_reference_to_the_failed_microbatch_survives_a_retry(phase: str) -> N
     failed_attempt = refs[:2]  # microbatches 0 and 1 of the first attempt (2 microbatches)
     assert len(refs) == 2 + 4  # then 4 microbatches on the retry
     assert [ref() for ref in failed_attempt] == [None, None]
+
+
+def test_no_reference_to_the_failed_microbatch_survives_an_evaluate_retry() -> None:
+    model = _model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        hidden = model[1](model[0](x))
+        refs.append(weakref.ref(hidden))
+        return model[2](hidden)
+
+    x = torch.randn(8, 4)
+    with torch.no_grad(), inject_oom(model[2], phase="forward", calls=1):
+        outputs = step.evaluate(x, fn)
+    assert torch.allclose(torch.cat(outputs), model(x))
+    assert len(refs) == 2 + 4 and [ref() for ref in refs[:2]] == [None, None]
