@@ -14,6 +14,7 @@ user. Every rank saves what it saw and trained to a directory the test then read
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -31,10 +32,15 @@ HERE = Path(__file__).resolve().parent
 
 def _run_scenario(scenario: str, out: Path) -> None:
     """Run this file as ``python test_lightning_ddp.py scenario out`` with a deadline; fail with its output."""
+    _run_script([str(Path(__file__).resolve()), scenario, str(out)], scenario)
+
+
+def _run_script(arguments: list[str], name: str) -> str:
+    """Run ``python *arguments`` in a new process group with a deadline; its output, or the test fails with it."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     env.pop("MASTER_PORT", None)
     process = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), scenario, str(out)],
+        [sys.executable, *arguments],
         cwd=HERE.parent,
         env=env,
         stdout=subprocess.PIPE,
@@ -47,9 +53,10 @@ def _run_scenario(scenario: str, out: Path) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # every rank: Lightning's second rank is in the same group
         output, _ = process.communicate()
-        pytest.fail(f"{scenario}: no result after {DEADLINE_S} s (a hang?); output:\n{output[-6000:]}")
+        pytest.fail(f"{name}: no result after {DEADLINE_S} s (a hang?); output:\n{output[-6000:]}")
     if process.returncode != 0:
-        pytest.fail(f"{scenario}: exit code {process.returncode}; output:\n{output[-6000:]}")
+        pytest.fail(f"{name}: exit code {process.returncode}; output:\n{output[-6000:]}")
+    return output
 
 
 def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -120,6 +127,19 @@ def test_ddp_spawn_rank_one_oom_recovers_and_equals_one_process_on_the_union_bat
     fit(pl.Trainer, reference, DataLoader(IdDataset(), batch_sampler=_union_batches(2, 5)), max_epochs=1)
     _same(result["params"], parameters_of(reference))
     assert result["metrics"]["elastic/oom_retries"] == 1.0 and result["metrics"]["elastic/split_count"] == 2.0
+
+
+def test_example_lightning_ddp_rank_one_short_of_memory_both_ranks_agree() -> None:
+    output = _run_script([str(HERE.parent / "examples" / "lightning_ddp.py"), "--quick"], "examples/lightning_ddp.py")
+    results = sorted(
+        (json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT {" in line),
+        key=lambda r: r["rank"],
+    )
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["own_ooms"] == 0 and results[1]["own_ooms"] >= 1  # only rank 1 ran out of memory
+    assert results[0]["split_count"] == results[1]["split_count"] > 1  # and both ranks split alike
+    assert results[0]["oom_retries"] == results[1]["oom_retries"] == results[1]["own_ooms"]
+    assert all(r["max_relative_difference"] < 1e-5 for r in results)
 
 
 # -- the scenarios, run as a script ----------------------------------------------------------------
