@@ -572,3 +572,15 @@ def test_example_lightning_auto_splits_under_its_memory_budget_and_matches_the_p
     assert summary["split_count"] > 1 and summary["oom_retries"] >= 1
     assert summary["peak_bytes"] <= summary["limit_bytes"]
     assert summary["max_relative_difference"] < 1e-5
+
+
+class _IteratorStep(Regression):
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:
+        batch, _, _ = next(dataloader_iter)
+        return super().training_step(batch, 0)
+
+
+def test_a_training_step_taking_the_dataloader_iterator_is_a_clear_error() -> None:
+    trainer = Trainer(**quiet_trainer_kwargs(**AUTO))
+    with pytest.raises(ValueError, match="takes a dataloader_iter"):
+        trainer.fit(_IteratorStep(), loader(10))

@@ -9,7 +9,7 @@ microbatch outputs combined (predictions concatenated in row order).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from elastic_batches.batch import Microbatch
@@ -34,6 +34,11 @@ def elastic_evaluation_hook(
 
     def elastic_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
         module = trainer.lightning_module
+        if isinstance(batch, Iterator):
+            raise ValueError(
+                f"{type(module).__name__}.{hook} takes a dataloader_iter: ElasticAccumulation splits {hook}(batch, "
+                "batch_idx) only; pass ElasticAccumulation(split_evaluation=False) to leave evaluation whole"
+            )
         step = elastic.step_for(stage)
         recorder = elastic.recorder_for(module)
         recorder.start_batch()

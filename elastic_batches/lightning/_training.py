@@ -74,7 +74,12 @@ class ElasticOptimization(_AutomaticOptimization):
         elastic = self.elastic
         names = list(kwargs)
         values = list(kwargs.values())
-        batch_position = names.index("batch") if "batch" in names else 0
+        if "batch" not in names:
+            raise ValueError(
+                f"{type(module).__name__}.training_step takes a dataloader_iter: accumulate_grad_batches='auto' needs "
+                "training_step(batch, batch_idx), whose batch it can split"
+            )
+        batch_position = names.index("batch")
 
         def backward_fn(loss: torch.Tensor) -> None:
             call._call_strategy_hook(trainer, "backward", loss, optimizer)
