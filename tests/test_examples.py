@@ -1,0 +1,79 @@
+"""Every example in ``examples/`` runs, small, so that none rots; so do the code blocks of the docs.
+
+Each example is one parametrized case: its command line at a small size and a line its output
+must contain. Only examples that exist are listed; add a row to ``EXAMPLES`` with each new one.
+The Python code blocks of ``README.md`` and ``docs/quickstart.md`` run too, in order, each file
+in one namespace, as a reader would paste them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Example(NamedTuple):
+    script: str
+    args: tuple[str, ...]
+    expect: str  # a line fragment the output must contain
+    launcher: tuple[str, ...] = ()  # e.g. torchrun for a multi-process example
+    timeout: float = 300.0
+
+
+TORCHRUN = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone")
+
+EXAMPLES = [
+    Example("plain_loop.py", ("--small",), "a resumed loader starts at 3 microbatches per batch"),
+    Example("causal_lm.py", ("--quick",), "'gradient_error'"),
+    Example("ddp_torchrun.py", ("--steps", "2"), "agreed split count", launcher=TORCHRUN, timeout=180.0),
+    Example("lightning_auto.py", ("--quick",), "weights vs the plain Trainer"),
+    Example("lightning_ddp.py", ("--quick",), "RESULT", timeout=180.0),
+]
+
+CASES = [pytest.param(e, id=e.script) for e in EXAMPLES if (ROOT / "examples" / e.script).exists()]
+
+
+@pytest.mark.parametrize("example", CASES)
+def test_example_runs_small(example: Example) -> None:
+    command = [sys.executable, *example.launcher, str(ROOT / "examples" / example.script), *example.args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # A session of its own, so that a hang (in a multi-process example) is ended with every process it started.
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=example.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{example.script} did not finish in {example.timeout:.0f}s; its output:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    assert example.expect in output, output[-4000:]
+
+
+def test_every_example_is_listed() -> None:
+    listed = {e.script for e in EXAMPLES}
+    unlisted = sorted(p.name for p in (ROOT / "examples").glob("*.py") if p.name not in listed)
+    assert not unlisted, f"add a row to EXAMPLES in tests/test_examples.py for {unlisted}, so that CI runs them"
+
+
+def _python_blocks(markdown: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/quickstart.md"])
+def test_code_blocks_of_the_docs_run(document: str) -> None:
+    blocks = _python_blocks((ROOT / document).read_text())
+    assert blocks, f"{document} has no python code block"
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    for number, block in enumerate(blocks):
+        exec(compile(block, f"{document}[block {number}]", "exec"), namespace)  # noqa: S102 - our own docs
