@@ -6,10 +6,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
@@ -73,6 +74,14 @@ def _arguments_of(loader: DataLoader) -> dict[str, Any]:
     else:
         arguments.update(batch_sampler=loader.batch_sampler, batch_size=1, drop_last=False)
     return arguments
+
+
+class _ShuffleSampler(StatefulRandomSampler, RandomSampler):
+    """torchdata's resumable random sampler that is also a ``torch.utils.data.RandomSampler``.
+
+    What ``shuffle=True`` builds: Lightning recognises it as the default shuffling sampler and
+    swaps in a shuffling ``DistributedSampler`` under DDP, as it does for a plain DataLoader.
+    """
 
 
 class MicrobatchingDataLoader(StatefulDataLoader):
@@ -160,6 +169,12 @@ class MicrobatchingDataLoader(StatefulDataLoader):
                 arguments.pop("batch_size", None)
                 arguments.pop("drop_last", None)
         arguments.update(dataloader_kwargs)
+        if arguments.pop("shuffle", None) and not isinstance(arguments["dataset"], IterableDataset):
+            if arguments.get("sampler") is not None or arguments.get("batch_sampler") is not None:
+                raise ValueError(
+                    "MicrobatchingDataLoader: shuffle=True cannot be combined with a sampler or batch_sampler"
+                )
+            arguments["sampler"] = _ShuffleSampler(arguments["dataset"], generator=arguments.get("generator"))
         if arguments.get("pin_memory") and not _accelerator_present():
             arguments["pin_memory"] = False
         if controller is not None and not isinstance(controller, SplitController):
