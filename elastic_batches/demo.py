@@ -59,6 +59,8 @@ class DemoConfig:
         lr: Learning rate of SGD with momentum 0.9.
         seed: Seeds the model, the language and the data order; both runs use it.
         tolerance: Largest relative difference of the final weights accepted as agreement.
+        threads: torch intra-op threads during the run (restored afterwards). The model is so
+            small that more threads only add synchronisation, and on a busy machine they stall.
 
     Example:
         >>> from elastic_batches.demo import DemoConfig
@@ -66,7 +68,7 @@ class DemoConfig:
         64
     """
 
-    steps: int = 40
+    steps: int = 80
     batch_size: int = 64
     seq_len: int = 32
     vocab_size: int = 48
@@ -77,9 +79,10 @@ class DemoConfig:
     lr: float = 0.1
     seed: int = 0
     tolerance: float = 1e-5
+    threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "vocab_size", "dim", "heads", "layers"):
+        for name in ("steps", "batch_size", "seq_len", "vocab_size", "dim", "heads", "layers", "threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DemoConfig: {name} must be an int >= 1, got {value!r}")
@@ -396,6 +399,15 @@ def run_demo(config: DemoConfig | None = None, *, out: TextIO | None = None) -> 
         (True, True)
     """
     config = config if config is not None else DemoConfig()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run(config, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: DemoConfig, out: TextIO | None) -> DemoResult:
     torch.manual_seed(config.seed)
     dataset = _MarkovLanguage(config.batch_size * config.steps, config.seq_len, config.vocab_size, config.seed)
     initial = _TinyLM(config)

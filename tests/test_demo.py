@@ -7,6 +7,7 @@ import runpy
 import sys
 
 import pytest
+import torch
 
 from elastic_batches import demo
 from elastic_batches.demo import DemoConfig, run_demo
@@ -49,6 +50,12 @@ def test_demo_without_memory_pressure_never_splits() -> None:
     assert result.max_relative_difference == 0.0
 
 
+def test_run_demo_restores_the_thread_count() -> None:
+    before = torch.get_num_threads()
+    run_demo(DemoConfig(**{**SMALL, "steps": 1}, threads=1))
+    assert torch.get_num_threads() == before
+
+
 def test_main_exits_0_on_agreement_and_prints_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--steps", "2", "--batch-size", "16", "--seq-len", "8", "--dim", "16", "--layers", "1"]
     assert demo.main(argv) == 0
@@ -69,8 +76,9 @@ def test_main_exits_1_when_the_weights_disagree(monkeypatch: pytest.MonkeyPatch)
         ("batch_size", 2.5, "batch_size must be an int >= 1"),
         ("heads", 3, "dim=64 must be a multiple of heads=3"),
         ("memory_fraction", 0.0, "memory_fraction must be > 0"),
+        ("threads", 0, "threads must be an int >= 1"),
     ],
-    ids=["steps", "batch_size", "heads", "memory_fraction"],
+    ids=["steps", "batch_size", "heads", "memory_fraction", "threads"],
 )
 def test_config_rejects_bad_values(field: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
