@@ -21,6 +21,7 @@ def _benchmarks_dir() -> Path | None:
 
 
 def _bench(argv: Sequence[str]) -> int:
+    """Run the benchmark scripts, each in its own process; 1 if any failed, 2 if none matched."""
     parser = argparse.ArgumentParser(
         prog="python -m elastic_batches bench",
         description="Run the benchmark scripts in benchmarks/ one after the other, each in its own process; each "
@@ -61,6 +62,7 @@ def _bench(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch ``demo`` or ``bench``; returns the process exit code (2 for a usage error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "train a tiny LM under a simulated memory limit and check it", "bench": "run benchmarks/"}
     if not argv or argv[0] not in commands:
