@@ -314,6 +314,10 @@ class ElasticStep:
         several ranks, a rank that raises alone would leave the others waiting in their next
         collective: this method ends with one small collective in which every rank learns
         whether every other rank's step went through, and every rank raises if one did not.
+        With ``max_grad_norm``, one more such collective follows the gradient norm, before any
+        rank steps: an OOM in the norm leaves every rank's weights as they were. An OOM in the
+        step itself is learned after it, so the ranks whose step went through keep its update
+        (resume from a checkpoint rather than from this state).
         With ``grad_scaler``, it unscales, steps and updates the scaler.
 
         Args:
@@ -357,10 +361,12 @@ class ElasticStep:
                 total_sq = self.sync.local_grad_sq_norm(grads)
         except Exception as err:
             status, error = (OOM if is_oom_error(err) else ERROR), err
-        if max_grad_norm is not None and not self.sync.replicated:
-            outcome = self.sync.agree(status, total_sq)  # sums the shards' parts of the norm; also a vote
+        if max_grad_norm is not None:
+            # A vote before any rank steps: an OOM in the norm on one rank must not leave the others updated.
+            outcome = self.sync.agree(status, total_sq)  # under FSDP2 it also sums the shards' parts of the norm
             _raise_if_failed(outcome, error, "the gradient norm")
-            total_sq = outcome.sums[0]
+            if not self.sync.replicated:
+                total_sq = outcome.sums[0]
         norm = None
         if status == OK:
             try:
