@@ -7,11 +7,15 @@ microbatch (in the user's own structure, through the strategy, so autocast and D
 redirection apply) and backpropagates ``loss * weight`` through the strategy's ``backward``
 (precision plugin, ``on_before_backward`` / ``on_after_backward`` hooks). Everything after the
 closure stays Lightning's: ``on_before_optimizer_step``, gradient clipping on the accumulated
-gradient, the GradScaler's unscale/step/update, the optimizer step, lr schedulers.
+gradient, the GradScaler's unscale/step/update, the optimizer step, lr schedulers. After the
+optimizer step, one small collective tells every rank whether that part went through on every
+rank, so that an OOM in clipping or in the step on one rank raises on all of them; clipping by
+norm computes the norm as ``ElasticStep.optimizer_step`` does, with a vote before any rank steps.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
@@ -23,7 +27,11 @@ from lightning.pytorch.trainer import call
 from torch.optim import Optimizer
 
 from elastic_batches.batch import Microbatch
+from elastic_batches.controller import ElasticOOMError
+from elastic_batches.distributed import ERROR, OK, OOM
 from elastic_batches.lightning._outputs import combine_outputs
+from elastic_batches.oom import is_oom_error
+from elastic_batches.step import _raise_if_failed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -32,18 +40,23 @@ if TYPE_CHECKING:
 
 __all__ = ["ElasticClosure", "ElasticOptimization"]
 
+_WHERE = "the optimizer step (on_before_optimizer_step, gradient clipping or optimizer.step())"
+
 
 class ElasticClosure(Closure):
     """Zero the gradients, then run forward and backward of every microbatch (``step_fn`` does both)."""
 
     def __init__(self, step_fn: Callable[[], ClosureResult], zero_grad_fn: Callable[[], None] | None) -> None:
         super().__init__(step_fn=step_fn, backward_fn=None, zero_grad_fn=zero_grad_fn)
+        self.finished = False  # the microbatches ran (what fails after this may fail on one rank only)
 
     @torch.enable_grad()
     def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
         if self._zero_grad_fn is not None:
             self._zero_grad_fn()
-        return self._step_fn()
+        result = self._step_fn()
+        self.finished = True
+        return result
 
 
 class ElasticOptimization(_AutomaticOptimization):
@@ -61,12 +74,84 @@ class ElasticOptimization(_AutomaticOptimization):
         self._skip_backward = original._skip_backward
         self.original = original
         self.elastic = elastic
+        self._norm_voted = False  # this optimizer step reached the gradient norm's vote
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> Closure:
         if self._skip_backward:
             return super()._make_closure(kwargs, optimizer, batch_idx)
         step_fn = partial(self._elastic_training_step, kwargs, optimizer)
         return ElasticClosure(step_fn, self._make_zero_grad_fn(batch_idx, optimizer))
+
+    def _optimizer_step(self, batch_idx: int, train_step_and_backward_closure: Callable[[], Any]) -> None:
+        """Lightning's optimizer step, then one small collective: every rank raises if it failed on any rank.
+
+        The microbatches agree on their own outcome (``ElasticStep.backward``). What follows them
+        inside ``optimizer.step`` (``on_before_optimizer_step``, gradient clipping, the update) can
+        run out of memory on one rank only, which would leave the others waiting in their next
+        collective; splitting cannot help there, so every rank raises ``ElasticOOMError``.
+        """
+        closure = train_step_and_backward_closure
+        if not isinstance(closure, ElasticClosure):
+            super()._optimizer_step(batch_idx, closure)
+            return
+        status, error = OK, None
+        self._norm_voted = False
+        try:
+            super()._optimizer_step(batch_idx, closure)
+        except Exception as err:
+            if not closure.finished:
+                raise  # from the microbatches: ElasticStep raised it on every rank already
+            error = err
+            # An ElasticOOMError comes from the norm's vote, which told every rank already: nothing more to report.
+            status = OK if isinstance(err, ElasticOOMError) else OOM if is_oom_error(err) else ERROR
+        step = self.elastic.step_for("train")  # the one the closure ran (the closure sets its backward_fn again)
+        if error is not None and not self._norm_voted and self._clips_by_norm():
+            step.sync.agree(status, 0.0, 1.0)  # failed before clipping: meet the other ranks in the norm's vote
+        outcome = step.sync.agree(status)
+        if isinstance(error, ElasticOOMError):
+            raise error
+        _raise_if_failed(outcome, error, _WHERE)
+
+    def _clips_by_norm(self) -> bool:
+        clip_val = self.trainer.gradient_clip_val
+        return bool(clip_val) and self.trainer.gradient_clip_algorithm in (None, "norm")
+
+    def agreed_clip_grad_by_norm(
+        self, original: Callable[[Optimizer, float], None]
+    ) -> Callable[[Optimizer, float], None]:
+        """A precision plugin's ``clip_grad_by_norm`` whose norm every rank agrees on before any rank steps.
+
+        ``torch.nn.utils.clip_grad_norm_`` all-reduces the norm of FSDP2's sharded gradients
+        inside itself: a rank that runs out of memory before that collective leaves the others
+        waiting in it. Here each rank's part of the squared norm travels in the train
+        ``ElasticStep``'s vote (summed over shards under FSDP2), as in
+        ``ElasticStep.optimizer_step``, and an OOM on any rank raises ``ElasticOOMError`` ("out
+        of memory in the gradient norm") on every rank before any of them steps. ``original``
+        clips when no elastic step ran.
+        """
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            step = self.elastic._steps.get("train")
+            if step is None:
+                original(optimizer, clip_val)
+                return
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            status, error, total_sq = OK, None, 0.0
+            try:
+                total_sq = step.sync.local_grad_sq_norm(grads)
+            except Exception as err:
+                status, error = (OOM if is_oom_error(err) else ERROR), err
+            self._norm_voted = True
+            outcome = step.sync.agree(status, total_sq, 0.0)  # 1.0 from a rank that failed before its clipping
+            _raise_if_failed(outcome, error, _WHERE if outcome.sums[1] else "the gradient norm")
+            if not step.sync.replicated:
+                total_sq = outcome.sums[0]
+            coefficient = clip_val / (math.sqrt(total_sq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            if coefficient < 1.0:
+                with torch.no_grad():
+                    torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coefficient)
+
+        return clip_grad_by_norm
 
     def _elastic_training_step(self, kwargs: OrderedDict, optimizer: Optimizer) -> ClosureResult:
         trainer = self.trainer

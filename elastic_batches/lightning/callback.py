@@ -197,8 +197,11 @@ class ElasticAccumulation(Callback):
         self._uninstall()
         epoch_loop = trainer.fit_loop.epoch_loop
         original = epoch_loop.automatic_optimization
-        epoch_loop.automatic_optimization = ElasticOptimization(trainer, self, original)
+        optimization = ElasticOptimization(trainer, self, original)
+        epoch_loop.automatic_optimization = optimization
         strategy = trainer.strategy
+        precision = strategy.precision_plugin
+        precision.__dict__["clip_grad_by_norm"] = optimization.agreed_clip_grad_by_norm(precision.clip_grad_by_norm)
         if self.split_evaluation:
             for hook in STAGE_OF_HOOK:
                 strategy.__dict__[hook] = elastic_evaluation_hook(trainer, self, hook, getattr(strategy, hook))
@@ -209,6 +212,7 @@ class ElasticAccumulation(Callback):
             return
         trainer, original = self._installed
         trainer.fit_loop.epoch_loop.automatic_optimization = original
+        trainer.strategy.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
         for hook in STAGE_OF_HOOK:
             trainer.strategy.__dict__.pop(hook, None)
         self._installed = None
