@@ -7,10 +7,11 @@ A *cell* is one combination of
 * the setting: ``"single"`` (one process), ``"ddp"`` or ``"fsdp2"`` (two gloo ranks);
 * the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, its ``"forward"``, its
   ``"backward"`` (injected on the first layer, so later layers already hold gradients), the
-  gradient ``"clip"``ping, or the optimizer ``"step"``;
+  gradient norm of the ``"clip"``ping, the optimizer ``"step"``, or (Lightning only) a user
+  ``"hook"``, ``on_before_optimizer_step``, which Lightning runs between the two;
 * the microbatch: ``"first"``, ``"middle"`` or ``"last"`` of the attempt (per-microbatch phases);
 * the ranks: ``"0"``, ``"1"`` or ``"both"`` (rank 0 in the first attempt, rank 1 in the retry
-  that follows it; both in the same step for clipping and the optimizer step).
+  that follows it; both in the same step for the phases after the microbatches).
 
 Every cell trains a tiny model for ``STEPS`` steps of ``GLOBAL_ROWS`` samples (over all ranks),
 starting at ``SPLIT`` microbatches, with the OOM injected in step ``OOM_STEP``. The model holds a
@@ -21,11 +22,12 @@ after every backward. The outcome must be
 
 * for transfer, forward and backward: recovery, with weights equal (``RTOL``) to plain full-batch
   training on the same samples, which never ran out of memory;
-* for clipping and the optimizer step, which splitting cannot help: an ``ElasticOOMError`` on
-  every rank, naming where (``"the gradient norm"`` / ``"optimizer.step()"``) and the ranks, with
-  the weights of the steps before it (no partial update) on the ranks that ran out of memory, and
-  on every rank after an OOM in the norm (agreed on before any rank steps); after an OOM in the
-  step itself, the ranks whose step went through hold its update (documented, checked per shard);
+* after the microbatches (hook, clipping, optimizer step), where splitting cannot help: an
+  ``ElasticOOMError`` on every rank, naming where (``WHERE``, ``LIGHTNING_WHERE``) and the ranks,
+  with the weights of the steps before it (no partial update) on the ranks that ran out of
+  memory, and on every rank when the norm's vote caught it before any rank stepped; after an OOM
+  in the step itself, the ranks whose step went through hold its update (documented, checked on
+  each rank's own shards);
 
 and never a hang (the distributed cells run in ``_distributed_harness.RankPool`` under a deadline).
 
@@ -81,7 +83,7 @@ class Cell:
     loop: str
     setting: str
     phase: str
-    position: str | None  # None for clip and step
+    position: str | None  # None for the phases after the microbatches
     ranks: str  # "0", "1" or "both" ("0" in one process)
 
     @property
@@ -292,7 +294,6 @@ class _GradNormOOM:
 
     def __init__(self, step: eb.ElasticStep) -> None:
         self.sync = step.sync
-        self.original = self.sync.local_grad_sq_norm
         self.fired = 0
 
         def local_grad_sq_norm(grads: Any) -> float:
@@ -302,7 +303,7 @@ class _GradNormOOM:
         self.sync.local_grad_sq_norm = local_grad_sq_norm  # type: ignore[method-assign]
 
     def remove(self) -> None:
-        self.sync.local_grad_sq_norm = self.original  # type: ignore[method-assign]
+        vars(self.sync).pop("local_grad_sq_norm", None)  # the class's method again
 
 
 def _arm(cell: Cell, rank: int, rows: int, model: nn.Module, step: eb.ElasticStep, optimizer: Any) -> list[Any]:
@@ -312,7 +313,7 @@ def _arm(cell: Cell, rank: int, rows: int, model: nn.Module, step: eb.ElasticSte
     if cell.phase == "clip":
         return [_GradNormOOM(step)]
     if cell.phase == "step":
-        return [inject_oom_in_optimizer(optimizer, calls=0, rank=rank if dist.is_initialized() else None)]
+        return [inject_oom_in_optimizer(optimizer, calls=0)]
     call = oom_call(cell, rank, rows)
     assert call is not None
     if cell.phase == "transfer":

@@ -1,0 +1,274 @@
+"""The fault-injection matrix of ``docs/reliability.md``: where an OOM strikes, and what follows (issue 6).
+
+Runs every cell of ``tests/_fault_matrix.py`` (the cells ``tests/test_fault_matrix.py`` asserts):
+the one-process cells here, the DDP and FSDP2 cells as one job per loop and setting on two gloo
+ranks under a deadline (``tests/_distributed_harness.py``). Prints one markdown table per loop
+(rows: where the OOM struck; columns: setting and ranks), a summary of the checks per job, and
+one JSON line per cell. Exits 1 if any cell fails.
+
+    python benchmarks/fault_matrix.py            # the matrix (about 30 s on 2 CPU cores)
+    python benchmarks/fault_matrix.py --leaks    # also the leak and changing-memory figures
+
+``--leaks`` repeats the procedures of ``tests/test_reliability.py`` and prints what they measure
+(the test only asserts bounds): 200 OOM-and-retry cycles, memory that shrinks and grows back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS))
+
+os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the spawned ranks inherit it: Lightning's tips stay quiet
+
+DEADLINE_S = 180
+
+COLUMNS = [("single", "0", "one process")] + [
+    (setting, ranks, f"{name} {label}")
+    for setting, name in (("ddp", "DDP"), ("fsdp2", "FSDP2"))
+    for ranks, label in (("0", "rank 0"), ("1", "rank 1"), ("both", "both ranks"))
+]
+HEADINGS = {
+    "plain": "Plain loop: `ElasticStep.backward` + `ElasticStep.optimizer_step(optimizer, max_grad_norm=0.25)`",
+    "lightning": 'Lightning: `Trainer(accumulate_grad_batches="auto", gradient_clip_val=0.25)`',
+}
+PHASE_NAMES = {
+    "transfer": "device transfer",
+    "forward": "forward",
+    "backward": "backward (first layer)",
+    "hook": "`on_before_optimizer_step`",
+    "clip": "gradient norm (clipping)",
+    "step": "`optimizer.step()`",
+}
+
+
+def run_matrix() -> dict[str, list[dict[str, Any]]]:
+    """Every cell's per-rank results, by cell id."""
+    import logging
+    import warnings
+
+    import _fault_matrix as fm
+    from _distributed_harness import RankFailure, RankPool
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    results: dict[str, list[dict[str, Any]]] = {}
+    snapshots = fm.reference()
+    with tempfile.TemporaryDirectory() as workdir:
+        pool = RankPool(Path(workdir), world_size=2)
+        try:
+            for loop in fm.LOOPS:
+                for setting in fm.SETTINGS:
+                    start = time.perf_counter()
+                    cells = fm.cells(loop, setting)
+                    if setting == "single":
+                        runner = fm.run_plain_cell if loop == "plain" else fm.run_lightning_cell
+                        for cell in cells:
+                            results[cell.id] = [runner(cell, 0, 1, snapshots)]
+                    else:
+                        try:
+                            per_rank = pool.run(fm.run_cells, loop, setting, timeout=DEADLINE_S)
+                        except RankFailure as failure:
+                            print(f"{loop} {setting}: the job failed\n{failure}", file=sys.stderr)
+                            per_rank = None
+                        for index, cell in enumerate(cells):
+                            results[cell.id] = [] if per_rank is None else [rank[index] for rank in per_rank]
+                    seconds = time.perf_counter() - start
+                    print(f"ran {loop} {setting}: {len(cells)} cells in {seconds:.1f} s", flush=True)
+        finally:
+            pool.close()
+    return results
+
+
+def entry(cell: Any, results: list[dict[str, Any]]) -> str:
+    import _fault_matrix as fm
+
+    if not results:
+        return "FAIL: hang or crash (deadline)"
+    return fm.outcome(cell, results)
+
+
+def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
+    """The markdown tables, a summary of the checks, JSON lines; the number of failing cells."""
+    import _fault_matrix as fm
+
+    failures = 0
+    for loop in fm.LOOPS:
+        by_key = {(c.setting, c.ranks, c.phase, c.position): c for s in fm.SETTINGS for c in fm.cells(loop, s)}
+        rows = []
+        for c in fm.cells(loop, "single"):
+            rows.append((c.phase, c.position))
+        print(f"\n#### {HEADINGS[loop]}\n")
+        print("| OOM in | microbatch | " + " | ".join(label for _, _, label in COLUMNS) + " |")
+        print("|---|---|" + "---|" * len(COLUMNS))
+        for phase, position in rows:
+            texts = []
+            for setting, ranks, _ in COLUMNS:
+                cell = by_key.get((setting, ranks, phase, position))
+                texts.append("n/a" if cell is None else entry(cell, results[cell.id]))
+            print(f"| {PHASE_NAMES[phase]} | {position or '—'} | " + " | ".join(texts) + " |")
+        print()
+        for setting in fm.SETTINGS:
+            cells = fm.cells(loop, setting)
+            runs = [r for c in cells for r in results[c.id]]
+            if not runs:
+                print(f"- {setting}: no results (the job failed)")
+                failures += len(cells)
+                continue
+            recovered = [r for c in cells for r in results[c.id] if c.recovers]
+            worst = max((r["weight_error"] for r in recovered), default=0.0)
+            checks = sum(len(r["ids"]) for r in runs)
+            bad = sum(1 for r in runs for check in r["ids"] if not check["ok"])
+            off = max((check["off"] for r in runs for check in r["ids"]), default=0.0)
+            print(
+                f"- {loop}, {setting}: {len(cells)} cells; largest relative weight error after recovery "
+                f"{worst:.1e} (tolerance {fm.RTOL[setting]:.0e}); {checks} per-rank step gradients checked over "
+                f"all {fm.SAMPLES} sample ids, {bad} with a sample lost, doubled or stray (largest deviation "
+                f"from a whole count {off:.1e})"
+            )
+    for loop in fm.LOOPS:
+        for setting in fm.SETTINGS:
+            for cell in fm.cells(loop, setting):
+                runs = results[cell.id]
+                found = fm.problems(cell, runs) if runs else ["hang or crash"]
+                failures += bool(found)
+                record = {
+                    "benchmark": "fault_matrix",
+                    "cell": cell.id,
+                    "outcome": entry(cell, runs),
+                    "ok": not found,
+                    "weight_error": max((r["weight_error"] for r in runs), default=None),
+                    "errors": [r["error"]["message"][:160] if r["error"] else None for r in runs],
+                }
+                print(json.dumps(record))
+    return failures
+
+
+def print_leaks() -> None:
+    """The figures behind tests/test_reliability.py, measured with its own procedures."""
+    import gc
+
+    import test_reliability as tr
+    import torch
+
+    import elastic_batches as eb
+    from elastic_batches.testing import MemoryBudget
+
+    model = tr._mlp()
+    batch = (torch.randn(64, 16), torch.randn(64, 1))
+    limit = (tr._peak_at(model, batch, 1) + tr._peak_at(model, batch, 2)) // 2
+    controller = eb.SplitController(grow_after=1)
+    step = eb.ElasticStep(model, controller=controller)
+    budget = MemoryBudget(None)
+    loss_fn = tr._loss_fn(model)
+
+    def cycle() -> None:
+        for tight in (True, False):
+            budget.limit_bytes = limit if tight else None
+            with budget:
+                step.backward(batch, loss_fn)
+            model.zero_grad(set_to_none=True)
+
+    for _ in range(10):
+        cycle()
+    gc.collect()
+    tensors, ooms_alive, resident, ooms = tr._live_tensors(), tr._live_ooms(), tr._resident_bytes(), budget.oom_count
+    start = time.perf_counter()
+    for _ in range(200):
+        cycle()
+    seconds = time.perf_counter() - start
+    gc.collect()
+    print("\n#### 200 OOM-and-retry cycles (MLP 16-256-1, batch 64, budget between 1 and 2 microbatches)\n")
+    print("| measure | change over 200 cycles |")
+    print("|---|---|")
+    print(f"| OOMs raised by the budget | {budget.oom_count - ooms} |")
+    print(f"| live tensors (gc) | {tr._live_tensors() - tensors:+d} |")
+    print(f"| OutOfMemoryError objects alive | {tr._live_ooms() - ooms_alive:+d} |")
+    print(f"| simulated device bytes live after the cycles | {budget.live_bytes} |")
+    print(f"| resident memory of the process | {(tr._resident_bytes() - resident) / 2**20:+.2f} MiB |")
+    print(f"| sizes held by the controller for error messages | {len(controller._tried)} |")
+    print(f"\n({seconds / 200 * 1000:.1f} ms per cycle of one retried and one whole step)")
+
+    # memory that shrinks: tests/test_reliability.py::test_shrinking_memory_raises_the_count_step_by_step...
+    model = tr._mlp(width=512)
+    batches = [(torch.randn(48, 16), torch.randn(48, 1)) for _ in range(6)]
+    peaks = {k: tr._peak_at(model, batches[0], k) for k in (1, 2, 3, 4)}
+    limits = [peaks[1] + 1, (peaks[1] + peaks[2]) // 2, (peaks[2] + peaks[3]) // 2, (peaks[3] + peaks[4]) // 2]
+    controller = eb.SplitController()
+    step = eb.ElasticStep(model, controller=controller)
+    budget = MemoryBudget(None)
+    settled, errors, ooms_per_level = [], [], []
+    for limit in limits:
+        budget.limit_bytes = limit
+        before = controller.oom_count
+        for b in batches:
+            reference = tr._reference_grads(model, b)
+            with budget:
+                step.backward(b, tr._loss_fn(model))
+            errors.append(
+                max(
+                    float((p.grad - r).abs().max() / r.abs().max())
+                    for p, r in zip(model.parameters(), reference, strict=True)
+                )
+            )
+            model.zero_grad(set_to_none=True)
+        settled.append(controller.split_count)
+        ooms_per_level.append(controller.oom_count - before)
+    print("\n#### Memory that shrinks (4 levels x 6 batches of 48 rows)\n")
+    print(f"- split count settled at each level: {settled}; OOMs per level: {ooms_per_level}")
+    print(f"- {len(errors)} batches, none lost; largest relative gradient error vs the whole batch {max(errors):.1e}")
+
+    # memory that grows back: test_growing_memory_is_used_by_the_growth_probe_at_a_bounded_probe_rate
+    model = tr._mlp(width=512)
+    b = (torch.randn(48, 16), torch.randn(48, 1))
+    tight = (tr._peak_at(model, b, 3) + tr._peak_at(model, b, 4)) // 2
+    controller = eb.SplitController(grow_after=10)
+    step = eb.ElasticStep(model, controller=controller)
+    budget = MemoryBudget(tight)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            with budget:
+                step.backward(b, tr._loss_fn(model))
+            model.zero_grad(set_to_none=True)
+
+    steps(20)
+    settled_count, ooms = controller.split_count, controller.oom_count
+    steps(50)
+    probe_ooms = controller.oom_count - ooms
+    budget.limit_bytes = None
+    before = controller.oom_count
+    steps(60)
+    print("\n#### Memory that grows back (grow_after=10, 48 rows)\n")
+    print(
+        f"- settled at {settled_count} microbatches; 50 more tight steps: {probe_ooms} failed growth probes "
+        f"({probe_ooms * 20} per 1000 steps, the back-off doubling the wait after each)"
+    )
+    print(
+        f"- memory freed: {controller.split_count} microbatch(es) after 60 steps, "
+        f"{controller.oom_count - before} OOMs on the way"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--leaks", action="store_true", help="also print the leak and changing-memory figures")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    failures = print_tables(run_matrix())
+    print(f"\n{failures} failing cell(s); {time.perf_counter() - start:.0f} s")
+    if args.leaks:
+        print_leaks()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
