@@ -80,6 +80,7 @@ def main() -> None:
     print(f"rank {rank}: agreed split count {step.controller.split_count}; all ranks: {counts}", flush=True)
     if len(set(counts)) != 1:
         raise SystemExit(f"rank {rank}: the ranks disagree on the split count: {counts}")
+    dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can hang the peer
     dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,17 +48,33 @@ def test_example_runs_small(example: Example) -> None:
     command = [sys.executable, *example.launcher, str(ROOT / "examples" / example.script), *example.args]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     # A session of its own, so that a hang (in a multi-process example) is ended with every process it started.
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=example.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+    # Output goes to a file, not a pipe: a worker that outlives its launcher cannot block the read.
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
+        try:
+            process.wait(timeout=example.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            _kill_processes_running(example.script)  # torchrun starts its workers in sessions of their own
+            process.wait()
+        log.seek(0)
+        output = log.read()
+    if process.returncode == -signal.SIGKILL:
         pytest.fail(f"{example.script} did not finish in {example.timeout:.0f}s; its output:\n{output[-4000:]}")
     assert process.returncode == 0, output[-4000:]
     assert example.expect in output, output[-4000:]
+
+
+def _kill_processes_running(script: str) -> None:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            pid = int(cmdline.parent.name)
+            if pid != os.getpid() and script.encode() in cmdline.read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # gone already, or not ours to kill
 
 
 def test_every_example_is_listed() -> None:
