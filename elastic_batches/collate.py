@@ -124,7 +124,7 @@ class ElasticCollate:
             collate_fn = collate_fn.collate_fn
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"ElasticCollate: collate_fn must be callable or None, got {collate_fn!r}")
-        self.collate_fn = collate_fn
+        self.collate_fn: Callable[[list[Any]], Any] | None = collate_fn
         self.auto_collation = auto_collation
         self.pad_values = check_pad_values(pad_values)
         self.sort_by_length = bool(sort_by_length)
@@ -145,7 +145,8 @@ class ElasticCollate:
         if self.collate_fn is not None:
             return self.collate_fn(samples)
         if self.auto_collation:
-            return collate(samples, collate_fn_map={**default_collate_fn_map, **_COLLATE_FNS})
+            collate_fn_map: dict[Any, Callable[..., Any]] = {**default_collate_fn_map, **_COLLATE_FNS}
+            return collate(samples, collate_fn_map=collate_fn_map)
         return default_convert(samples)
 
     def __call__(self, samples: Any) -> ElasticBatch:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ def _arguments_of(loader: DataLoader) -> dict[str, Any]:
             f"MicrobatchingDataLoader cannot wrap a {type(loader).__qualname__}: its own iteration logic would be "
             "lost. Pass its dataset and arguments instead: MicrobatchingDataLoader(dataset, batch_size=..., ...)"
         )
-    collate_fn = loader.collate_fn
+    collate_fn: Callable[..., Any] | None = loader.collate_fn
     if collate_fn in (default_collate, default_convert):
         collate_fn = None
     arguments: dict[str, Any] = {
@@ -189,7 +189,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             sort_by_length=True if sort_by_length is _UNSET else sort_by_length,
             shape_buckets=shape_buckets,
         )
-        self.controller = controller if controller is not None else SplitController()
+        self.controller: SplitController = controller if controller is not None else SplitController()
         self.pad_values = arguments["collate_fn"].pad_values
         self.sort_by_length = arguments["collate_fn"].sort_by_length
         self.shape_buckets = shape_buckets

@@ -98,6 +98,8 @@ def install_batch_types(registry: Mapping[type, _Registration]) -> None:
 
 
 def _registration_for(cls: type) -> _Registration | None:
+    if not _BATCH_TYPES:
+        return None  # the common case, on every field of every batch
     for base in cls.__mro__:
         registration = _BATCH_TYPES.get(base)
         if registration is not None:
@@ -230,7 +232,12 @@ class _Flattener:
         return key
 
     def visit(self, value: Any, path: tuple[str, ...]) -> Any:
-        registration = _registration_for(type(value))
+        kind = type(value)
+        if kind is torch.Tensor:  # fast paths for what default collate yields (never a registered type)
+            return self._tensor(value, path)
+        if kind is dict:
+            return self._visit_mapping(value, path, template=None)
+        registration = _registration_for(kind)
         if registration is not None:
             fields = registration.to_tensordict(value)
             if not isinstance(fields, Mapping):
@@ -248,9 +255,7 @@ class _Flattener:
                 )
             return _Field(self.add(path, value, int(value.batch_size[0])))
         if isinstance(value, torch.Tensor):
-            if value.dim() == 0:
-                return _Constant(value)
-            return _Field(self.add(path, value, int(value.shape[0])))
+            return self._tensor(value, path)
         if isinstance(value, Mapping):
             return self._visit_mapping(value, path, template=_empty_copy(value))
         if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -286,6 +291,11 @@ class _Flattener:
             f"elastic_batches.register_batch_type({type(value).__qualname__}, "
             "to_tensordict=..., from_tensordict=...)"
         )
+
+    def _tensor(self, value: torch.Tensor, path: tuple[str, ...]) -> _Field | _Constant:
+        if value.dim() == 0:
+            return _Constant(value)
+        return _Field(self.add(path, value, value.shape[0]))
 
     def _visit_mapping(self, value: Mapping[Any, Any], path: tuple[str, ...], template: Any) -> _Map:
         keys = tuple(value.keys())
