@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from elastic_batches._state import check_state_dict
 from elastic_batches.balance import BatchLoad
 
 __all__ = ["ElasticOOMError", "SplitController"]
@@ -361,18 +362,7 @@ class SplitController:
             ValueError: keys are missing or unexpected (both are named), or the version is not
                 one this code writes.
         """
-        missing = sorted(_STATE_KEYS - state.keys())
-        unexpected = sorted(state.keys() - _STATE_KEYS)
-        if missing or unexpected:
-            raise ValueError(
-                f"SplitController.load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
-                "pass a dict produced by SplitController.state_dict()"
-            )
-        if state["version"] != _STATE_VERSION:
-            raise ValueError(
-                f"SplitController.load_state_dict: state version {state['version']!r} is not supported "
-                f"(this elastic_batches writes version {_STATE_VERSION})"
-            )
+        check_state_dict("SplitController", state, _STATE_KEYS, _STATE_VERSION)
         if state["unit"] != self.unit:
             raise ValueError(
                 f"SplitController.load_state_dict: the state was learned with unit={state['unit']!r}, this "

@@ -12,6 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
+from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.collate import ElasticCollate
@@ -223,18 +224,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             ValueError: keys are missing or unexpected, the version is unknown, or the state was
                 saved by a loader with another ``batch_size``.
         """
-        missing = sorted(_STATE_KEYS - state_dict.keys())
-        unexpected = sorted(state_dict.keys() - _STATE_KEYS)
-        if missing or unexpected:
-            raise ValueError(
-                f"MicrobatchingDataLoader.load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
-                "pass a dict produced by MicrobatchingDataLoader.state_dict()"
-            )
-        if state_dict["version"] != _STATE_VERSION:
-            raise ValueError(
-                f"MicrobatchingDataLoader.load_state_dict: state version {state_dict['version']!r} is not supported "
-                f"(this elastic_batches writes version {_STATE_VERSION})"
-            )
+        check_state_dict("MicrobatchingDataLoader", state_dict, _STATE_KEYS, _STATE_VERSION)
         if state_dict["batch_size"] != self.batch_size:
             raise ValueError(
                 f"MicrobatchingDataLoader.load_state_dict: the state was saved with batch_size="

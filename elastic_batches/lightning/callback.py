@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.controller import SplitController
 from elastic_batches.lightning._evaluation import STAGE_OF_HOOK, elastic_evaluation_hook
@@ -351,18 +352,7 @@ class ElasticAccumulation(Callback):
         Raises:
             ValueError: keys are missing or unexpected, or the version is unknown.
         """
-        missing = sorted(_STATE_KEYS - state_dict.keys())
-        unexpected = sorted(state_dict.keys() - _STATE_KEYS)
-        if missing or unexpected:
-            raise ValueError(
-                f"ElasticAccumulation.load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
-                "pass a dict produced by ElasticAccumulation.state_dict()"
-            )
-        if state_dict["version"] != _STATE_VERSION:
-            raise ValueError(
-                f"ElasticAccumulation.load_state_dict: state version {state_dict['version']!r} is not supported "
-                f"(this elastic_batches writes version {_STATE_VERSION})"
-            )
+        check_state_dict("ElasticAccumulation", state_dict, _STATE_KEYS, _STATE_VERSION)
         for stage, state in state_dict["controllers"].items():
             if stage in self.controllers:
                 self.controllers[stage].load_state_dict(state)
