@@ -12,7 +12,7 @@ from torch import nn
 
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import ElasticOOMError, SplitController
-from elastic_batches.distributed import ERROR, OK, OOM, GradientSync, Outcome, gradient_sync_for
+from elastic_batches.distributed import ERROR, OK, OOM, GradientSync, Outcome, Verdict, gradient_sync_for
 from elastic_batches.oom import is_oom_error, release_memory
 
 __all__ = ["ElasticStep"]
@@ -190,24 +190,12 @@ class ElasticStep:
                 for t in params + inputs:
                     t.grad = None
                 self.sync.discard()
-                if attempt.error is not None and attempt.status == ERROR:
-                    raise attempt.error
-                if verdict.status == ERROR:
-                    raise RuntimeError(
-                        f"ElasticStep.backward: rank(s) {list(verdict.error_ranks)} raised an error in loss_fn or "
-                        "backward; this rank stops too instead of waiting for them"
-                    )
-                oom, started = attempt.error, attempt.started
+                status, error, started = attempt.status, attempt.error, attempt.started
                 del attempt
-                final: ElasticOOMError | None = None
-                try:
-                    self.controller.record_oom(verdict.oom_size, batch.load(self.controller.unit), discarded=started)
-                except ElasticOOMError as err:
-                    final = err
-                _stop_together(self.sync, final, oom)
+                self._learn_from_failure(verdict, status, error, batch, started, "backward")
                 # Drop the error before collecting: its traceback keeps the failed attempt's tensors alive
                 # through frames that clear_frames cannot reach (closure cells of hooked modules' forward).
-                del oom
+                del error
                 release_memory()
             self.sync.reduce(params, verdict.scale)
             for t, old in zip(params + inputs, stashed, strict=True):
@@ -262,10 +250,11 @@ class ElasticStep:
         while True:
             count = self._count(batch, rows)
             microbatches = list(batch.microbatches(count, balance=self.controller.unit))
-            status, error, outputs = OK, None, []
+            status, error, outputs, started = OK, None, [], 0
             try:
                 with self.sync.microbatches():
                     for mb in microbatches:
+                        started += 1
                         if self.device is not None:
                             mb = mb.to(self.device, non_blocking=True)
                         outputs.append(fn(mb.unwrap() if unwrap else mb))
@@ -276,21 +265,31 @@ class ElasticStep:
             if verdict.status == OK:
                 self.controller.record_success(verdict.size, load)
                 return outputs
-            if error is not None and status == ERROR:
-                raise error
-            if verdict.status == ERROR:
-                raise RuntimeError(
-                    f"ElasticStep.evaluate: rank(s) {list(verdict.error_ranks)} raised an error in fn; "
-                    "this rank stops too instead of waiting for them"
-                )
-            final: ElasticOOMError | None = None
-            try:
-                self.controller.record_oom(verdict.oom_size, load, discarded=count)
-            except ElasticOOMError as err:
-                final = err
-            _stop_together(self.sync, final, error)  # a limit reached on one rank stops every rank
+            self._learn_from_failure(verdict, status, error, batch, started, "evaluate")
             del error  # before collecting: its traceback keeps the failed attempt's tensors alive
             release_memory()
+
+    def _learn_from_failure(
+        self, verdict: Verdict, status: int, error: BaseException | None, batch: ElasticBatch, started: int, where: str
+    ) -> None:
+        """After a vote that failed: raise this rank's own error, stop with a failed peer, or learn from the OOM.
+
+        Every rank calls it with the same verdict, so all raise or all retry; a split limit
+        reached on one rank only stops every rank (``_stop_together``).
+        """
+        if error is not None and status == ERROR:
+            raise error
+        if verdict.status == ERROR:
+            raise RuntimeError(
+                f"ElasticStep.{where}: rank(s) {list(verdict.error_ranks)} raised an error other than an OOM; "
+                "this rank stops too instead of waiting for them"
+            )
+        final: ElasticOOMError | None = None
+        try:
+            self.controller.record_oom(verdict.oom_size, batch.load(self.controller.unit), discarded=started)
+        except ElasticOOMError as err:
+            final = err
+        _stop_together(self.sync, final, error)
 
     def _count(self, batch: ElasticBatch, rows: int) -> int:
         """The count for the next attempt: the controller's plan, unless the batch's tag asks for more.
