@@ -411,20 +411,22 @@ class ElasticStep:
                 for mb, c in zip(microbatches, counts, strict=True)
             ]
         started = 0
-        loss = torch.zeros(())
+        losses: list[torch.Tensor] = []  # weighted and detached; summed once, not once per microbatch
         try:
             with self.sync.microbatches():
                 for mb in microbatches:
                     started += 1
                     if mb.weight == 0.0:
                         continue  # nothing to count in it: its loss would be 0/0
-                    loss = loss + self._run(mb, loss_fn, unwrap)
+                    losses.append(self._run(mb, loss_fn, unwrap))
             self.sync.prepare()  # what the gradient reduction allocates, allocated before the vote
         except Exception as err:
             status = OOM if is_oom_error(err) else ERROR
             return _Attempt(status, size, total, started, error=err)
         if count_fn is not None and not total:
             loss = torch.full((), math.nan)
+        else:
+            loss = torch.stack(losses).sum() if len(losses) > 1 else losses[0]
         return _Attempt(OK, size, total, started, loss=loss)
 
     def _run(self, mb: Microbatch, loss_fn: LossFn, unwrap: bool = True) -> torch.Tensor:
