@@ -1,0 +1,20 @@
+"""Simulated device memory and OOM injection, for testing elastic batching on a CPU.
+
+Both tools raise the real :class:`torch.OutOfMemoryError`, so the code under test takes the
+same path it takes on a GPU:
+
+* :class:`MemoryBudget` counts the bytes of the tensor storages that ops allocate while it is
+  active and raises once they would pass a limit. Memory grows with batch size and sequence
+  length as on a device, because storages are tracked until they are freed, including the
+  activations that autograd keeps for backward.
+* :func:`inject_oom`, :func:`inject_oom_in_optimizer` and :func:`inject_oom_in_transfer` raise
+  at an exact, chosen point: a forward call, the backward of a forward call, an optimizer step
+  or the device transfer of a microbatch, optionally on one ``torch.distributed`` rank only.
+
+See ``docs/testing.md`` for a walk-through.
+"""
+
+from elastic_batches.testing.injection import OOMInjection, inject_oom, inject_oom_in_optimizer, inject_oom_in_transfer
+from elastic_batches.testing.memory import MemoryBudget
+
+__all__ = ["MemoryBudget", "OOMInjection", "inject_oom", "inject_oom_in_optimizer", "inject_oom_in_transfer"]
