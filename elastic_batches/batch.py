@@ -200,6 +200,9 @@ class ElasticBatch:
         start = 0
         for index, size in enumerate(sizes):
             stop = start + size
-            data = self.data[start:stop] if self.padding is None else self.padding.piece(self.data, start, stop)
+            if self.padding is not None:
+                data = self.padding.piece(self.data, start, stop)
+            else:
+                data = self.data if size == rows else self.data[start:stop]  # a whole batch needs no slicing
             yield Microbatch(data, size / rows, index, count, self.spec)
             start = stop
