@@ -38,16 +38,8 @@ def peak_bytes(width: int, batch: tuple[torch.Tensor, torch.Tensor], split_count
     return budget.peak_bytes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps to run")
-    parser.add_argument("--batch-size", type=int, default=256, help="rows per rank and step (the batch optimized)")
-    parser.add_argument("--width", type=int, default=128, help="hidden width of the MLP")
-    args = parser.parse_args()
-
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-
+def train(args: argparse.Namespace, rank: int, world_size: int) -> int:
+    """Train on this rank; returns the split count the ranks agreed on."""
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(args.batch_size * world_size * args.steps, 16, generator=generator)
     dataset = TensorDataset(features, features[:, :1].sin() + 0.1 * torch.randn(len(features), 1, generator=generator))
@@ -75,13 +67,28 @@ def main() -> None:
             flush=True,
         )
 
-    counts = [None] * world_size
-    dist.all_gather_object(counts, step.controller.split_count)
-    print(f"rank {rank}: agreed split count {step.controller.split_count}; all ranks: {counts}", flush=True)
-    if len(set(counts)) != 1:
-        raise SystemExit(f"rank {rank}: the ranks disagree on the split count: {counts}")
-    dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can hang the peer
-    dist.destroy_process_group()
+    return step.controller.split_count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps to run")
+    parser.add_argument("--batch-size", type=int, default=256, help="rows per rank and step (the batch optimized)")
+    parser.add_argument("--width", type=int, default=128, help="hidden width of the MLP")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    try:
+        split_count = train(args, rank, world_size)  # the DDP model and its reducer are gone when it returns
+        counts = [None] * world_size
+        dist.all_gather_object(counts, split_count)
+        print(f"rank {rank}: agreed split count {split_count}; all ranks: {counts}", flush=True)
+        if len(set(counts)) != 1:
+            raise SystemExit(f"rank {rank}: the ranks disagree on the split count: {counts}")
+    finally:
+        dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can hang the peer
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
