@@ -394,6 +394,21 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
             fired += sum(h.fired for h in handles)
             for h in handles:
                 h.remove()
+    return _result(cell, done, error, model, snapshots, ids_checks, counts, fired, controller)
+
+
+def _result(
+    cell: Any,
+    done: int,
+    error: Any,
+    model: nn.Module,
+    snapshots: Any,
+    ids_checks: Any,
+    counts: Any,
+    fired: int,
+    controller: eb.SplitController,
+) -> dict[str, Any]:
+    """What one cell reports, the same for the plain loop and the Lightning Trainer."""
     whole, own = weight_errors(model.parameters(), snapshots)
     return {
         "cell": cell.id,
@@ -564,22 +579,18 @@ def run_lightning_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Sna
     except Exception as err:
         error = _error(err, trainer.global_step)
     module._release()
-    done = trainer.global_step
-    whole, own = weight_errors(module.parameters(), snapshots)
-    controller = elastic.controllers["train"]
     fired = module.fired + (module.optimizer.fired if module.optimizer is not None else 0)
-    return {
-        "cell": cell.id,
-        "steps_done": done,
-        "error": error,
-        "weight_error": whole[done],
-        "own_weight_errors": own,  # this rank's shards against the reference after 0..STEPS steps
-        "ids": module.ids_checks,
-        "counts": module.counts,
-        "fired": fired,
-        "retries": controller.retry_count,
-        "discarded": controller.discarded_microbatches,
-    }
+    return _result(
+        cell,
+        trainer.global_step,
+        error,
+        module,
+        snapshots,
+        module.ids_checks,
+        module.counts,
+        fired,
+        elastic.controllers["train"],
+    )
 
 
 # -- a setting's cells on the ranks of a RankPool (module-level: pickled to spawned ranks) ------------

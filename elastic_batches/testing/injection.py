@@ -82,6 +82,13 @@ class OOMInjection:
     def _armed(self, index: int) -> bool:
         return not self._removed and index in self._calls and (self._rank is None or _current_rank() == self._rank)
 
+    def _count_call(self, where: str) -> None:
+        """Number this call; raise if it is one of the chosen ones (``where`` names it, e.g. "at optimizer step")."""
+        index = self.calls_seen
+        self.calls_seen += 1
+        if self._armed(index):
+            self._fire(f"{where} {index}")
+
     def _fire(self, where: str) -> NoReturn:
         self.fired += 1
         rank = "" if self._rank is None else f" on rank {self._rank}"
@@ -180,10 +187,7 @@ def inject_oom(
     if phase == "forward":
 
         def pre_hook(mod: nn.Module, args: Any) -> None:
-            index = handle.calls_seen
-            handle.calls_seen += 1
-            if handle._armed(index):
-                handle._fire(f"at forward call {index}")
+            handle._count_call("at forward call")
 
         handle._handles.append(module.register_forward_pre_hook(pre_hook))
         return handle
@@ -260,10 +264,7 @@ def inject_oom_in_optimizer(
     handle = OOMInjection(type(optimizer).__name__, "step", _call_set(calls, "optimizer step"), _check_rank(rank))
 
     def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        index = handle.calls_seen
-        handle.calls_seen += 1
-        if handle._armed(index):
-            handle._fire(f"at optimizer step {index}")
+        handle._count_call("at optimizer step")
 
     handle._handles.append(optimizer.register_step_pre_hook(pre_hook))
     return handle
@@ -315,10 +316,7 @@ def inject_oom_in_transfer(*, calls: int | Iterable[int] = 0, rank: int | None =
     original = Microbatch.to
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        index = handle.calls_seen
-        handle.calls_seen += 1
-        if handle._armed(index):
-            handle._fire(f"at device transfer {index}")
+        handle._count_call("at device transfer")
         return original(self, *args, **kwargs)
 
     handle._handles.append(_MethodPatch(Microbatch, "to", to))
