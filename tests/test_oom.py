@@ -129,8 +129,16 @@ def test_release_memory_clears_the_frames_of_the_traceback_and_its_chain() -> No
     assert error.__traceback__ is not None  # the traceback lines are kept
 
 
-def test_release_memory_without_an_exception_runs() -> None:
+def test_release_memory_without_an_exception_collects_young_cycles_holding_tensors() -> None:
+    class Node:
+        pass
+
+    node = Node()
+    node.self, node.activation = node, torch.ones(1024)  # a reference cycle only the collector frees
+    alive = weakref.ref(node.activation)
+    del node
     release_memory(None)
+    assert alive() is None
 
 
 def _model() -> nn.Sequential:
