@@ -1,21 +1,45 @@
-"""``ElasticBatch``, the batch a ``MicrobatchingDataLoader`` yields, and its ``Microbatch``es."""
+"""``ElasticBatch``, the batch a ``MicrobatchingDataLoader`` yields, and its ``Microbatch``es.
+
+A batch holds its *fields* (:data:`elastic_batches.structures.Fields`: a flat ``dict`` of tensors
+and per-sample lists, all with the batch's rows first) and the spec that rebuilds the user's
+structure around them. Microbatches slice the fields directly; the ``TensorDict`` that ``.data``
+shows is built only when it is read. A batch collated in the loader's main process keeps the
+user's object as it is and is taken apart on first use, so that iterating the loader costs
+next to nothing over the loader it wraps.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import NonTensorStack, TensorDictBase
 
 from elastic_batches.balance import BatchLoad, split_sizes
-from elastic_batches.structures import BatchSpec, from_tensordict, map_constants, to_tensordict
+from elastic_batches.structures import (
+    BatchSpec,
+    Fields,
+    as_tensordict,
+    flatten,
+    leading_rows,
+    map_constants,
+    rebuild,
+    slice_fields,
+)
 
 if TYPE_CHECKING:
     from elastic_batches.padding import Padding
 
 __all__ = ["ElasticBatch", "Microbatch", "split_sizes"]
+
+_NO_SOURCE: Any = object()  # the user's object is not kept (taken apart in a worker, moved, or padded)
+
+
+def _moved(fields: Fields, move: Any) -> Fields:
+    return {key: value if type(value) is list else move(value) for key, value in fields.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +47,7 @@ class Microbatch:
     """One piece of an :class:`ElasticBatch`.
 
     Attributes:
-        data: The microbatch's rows of the batch's fields (a ``TensorDict``).
+        fields: The microbatch's rows of the batch's flat fields (a ``dict``; see :attr:`data`).
         weight: The share of the batch's mean loss this microbatch carries: its rows divided by
             the batch's rows (or its counted items divided by the batch's, see ``count_fn`` of
             :meth:`ElasticStep.backward`). The weights of a batch sum to 1.
@@ -36,25 +60,43 @@ class Microbatch:
         >>> mb = next(ElasticBatch.wrap({"x": torch.arange(10)}).microbatches(3))
         >>> mb.index, mb.count, mb.weight, mb.unwrap()["x"].tolist()
         (0, 3, 0.4, [0, 1, 2, 3])
+        >>> mb
+        Microbatch(rows=4, weight=0.4, index=0, count=3)
     """
 
-    data: TensorDictBase
+    fields: Fields = dataclasses.field(repr=False)
     weight: float
     index: int
     count: int
     spec: BatchSpec = dataclasses.field(repr=False)
+    source: Any = dataclasses.field(default=_NO_SOURCE, repr=False)  # the user's object, for a whole batch
 
     def __len__(self) -> int:
-        return int(self.data.batch_size[0])
+        return len(next(iter(self.fields.values())))
+
+    def __repr__(self) -> str:
+        return f"Microbatch(rows={len(self)}, weight={self.weight}, index={self.index}, count={self.count})"
+
+    @functools.cached_property
+    def data(self) -> TensorDictBase:
+        """The microbatch's fields as a ``TensorDict`` with ``batch_size=[rows]`` (built on first read)."""
+        return as_tensordict(self.fields, len(self))
 
     def unwrap(self) -> Any:
         """The microbatch in the user's own structure (what the plain DataLoader yields, cut to these rows)."""
-        return from_tensordict(self.data, self.spec)
+        if self.source is not _NO_SOURCE:
+            return self.source
+        return rebuild(self.fields, self.spec)
 
     def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> Microbatch:
         """A copy of the microbatch on ``device`` (fields and broadcast tensors)."""
-        spec = map_constants(self.spec, lambda t: t.to(device, non_blocking=non_blocking))
-        return dataclasses.replace(self, data=self.data.to(device, non_blocking=non_blocking), spec=spec)
+
+        def move(t: Any) -> Any:
+            return t.to(device, non_blocking=non_blocking)
+
+        return Microbatch(
+            _moved(self.fields, move), self.weight, self.index, self.count, map_constants(self.spec, move)
+        )
 
 
 class ElasticBatch:
@@ -82,16 +124,52 @@ class ElasticBatch:
         <class 'tuple'>
     """
 
+    _data: TensorDictBase | None
+
     def __init__(
         self, data: TensorDictBase, spec: BatchSpec, split_count: int = 1, padding: Padding | None = None
     ) -> None:
         if not isinstance(data, TensorDictBase) or data.batch_dims < 1:
             raise TypeError(f"ElasticBatch expects a TensorDict with batch_size=[B] as data, got {data!r}")
-        self.data = data
-        self.spec = spec
+        fields = {key: value.tolist() if isinstance(value, NonTensorStack) else value for key, value in data.items()}
+        self._set(fields, spec, int(data.batch_size[0]), split_count, padding, _NO_SOURCE)
+        self._data = data
+
+    def _set(
+        self,
+        fields: Fields | None,
+        spec: BatchSpec | None,
+        rows: int | None,
+        split_count: int,
+        padding: Padding | None,
+        source: Any,
+    ) -> None:
+        self._fields = fields
+        self._spec = spec
+        self._rows = rows
+        self._source = source
+        self._data = None
         self.split_count = split_count
         self.padding = padding
         self._loads: dict[str, BatchLoad] = {}
+
+    @classmethod
+    def from_fields(
+        cls, fields: Fields, spec: BatchSpec, *, split_count: int = 1, padding: Padding | None = None
+    ) -> ElasticBatch:
+        """A batch of flat fields (from :func:`elastic_batches.structures.flatten`).
+
+        Raises:
+            ValueError: ``fields`` is empty, or its values disagree on the rows.
+        """
+        sizes = {key: len(value) for key, value in fields.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(
+                f"ElasticBatch.from_fields: fields must all have the same rows (first dimension), got {sizes}"
+            )
+        batch = cls.__new__(cls)
+        batch._set(fields, spec, next(iter(sizes.values())), split_count, padding, _NO_SOURCE)
+        return batch
 
     @classmethod
     def wrap(cls, batch: Any, split_count: int = 1) -> ElasticBatch:
@@ -103,8 +181,31 @@ class ElasticBatch:
         """
         if isinstance(batch, ElasticBatch):
             return batch
-        data, spec = to_tensordict(batch)
-        return cls(data, spec, split_count)
+        fields, spec, rows = flatten(batch)
+        wrapped = cls.__new__(cls)
+        wrapped._set(fields, spec, rows, split_count, None, batch)
+        return wrapped
+
+    @classmethod
+    def deferred(cls, batch: Any, split_count: int = 1) -> ElasticBatch:
+        """Wrap a batch without taking it apart yet: that happens on first use, raising what :meth:`wrap` raises.
+
+        What the loader yields from its main process: a batch that is never split (or moved)
+        is never taken apart.
+
+        Example:
+            >>> import torch
+            >>> from elastic_batches import ElasticBatch
+            >>> x = torch.zeros(4, 2)
+            >>> batch = ElasticBatch.deferred({"x": x})
+            >>> len(batch), batch.unwrap()["x"] is x
+            (4, True)
+        """
+        if isinstance(batch, ElasticBatch):
+            return batch
+        deferred = cls.__new__(cls)
+        deferred._set(None, None, None, split_count, None, batch)
+        return deferred
 
     @property
     def split_count(self) -> int:
@@ -117,24 +218,86 @@ class ElasticBatch:
             raise ValueError(f"ElasticBatch.split_count must be an int >= 1, got {value!r}")
         self._split_count = value
 
+    @property
+    def fields(self) -> Fields:
+        """The batch's flat fields: key -> tensor, TensorDict or per-sample list, all with the rows first.
+
+        Raises:
+            TypeError, ValueError: as :meth:`wrap`, for a batch taken apart only now.
+        """
+        fields = self._fields
+        if fields is None:
+            fields, self._spec, self._rows = flatten(self._source)
+            self._fields = fields
+        return fields
+
+    @property
+    def spec(self) -> BatchSpec:
+        """How the user's structure is rebuilt around the fields."""
+        if self._spec is None:
+            self.fields  # noqa: B018 - takes the batch apart
+        assert self._spec is not None
+        return self._spec
+
+    @property
+    def data(self) -> TensorDictBase:
+        """The batch's fields as a ``TensorDict`` with ``batch_size=[B]``, built on first read.
+
+        It shares the fields' tensors (in-place changes show in the microbatches); keys set on
+        it do not.
+        """
+        if self._data is None:
+            self._data = as_tensordict(self.fields, len(self))
+        return self._data
+
     def __len__(self) -> int:
-        return int(self.data.batch_size[0])
+        rows = self._rows
+        if rows is None:
+            rows = leading_rows(self._source)
+            if rows is None:
+                self.fields  # noqa: B018 - takes the batch apart, which counts its rows
+                rows = self._rows
+                assert rows is not None
+            self._rows = rows
+        return rows
 
     def __repr__(self) -> str:
-        return f"ElasticBatch(rows={len(self)}, split_count={self.split_count}, fields={sorted(self.data.keys())})"
+        return f"ElasticBatch(rows={len(self)}, split_count={self.split_count}, fields={sorted(self.fields)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "fields": self.fields,
+            "spec": self.spec,
+            "rows": len(self),
+            "split_count": self.split_count,
+            "padding": self.padding,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._set(state["fields"], state["spec"], state["rows"], state["split_count"], state["padding"], _NO_SOURCE)
 
     def unwrap(self) -> Any:
         """The whole batch in the user's own structure."""
-        return from_tensordict(self.data, self.spec)
+        if self._source is not _NO_SOURCE:
+            return self._source
+        return rebuild(self.fields, self.spec)
+
+    def _with_fields(self, fields: Fields, spec: BatchSpec) -> ElasticBatch:
+        batch = ElasticBatch.__new__(ElasticBatch)
+        batch._set(fields, spec, len(self), self.split_count, self.padding, _NO_SOURCE)
+        return batch
 
     def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> ElasticBatch:
         """A copy of the batch on ``device`` (fields and broadcast tensors); the tag is kept."""
-        spec = map_constants(self.spec, lambda t: t.to(device, non_blocking=non_blocking))
-        return ElasticBatch(self.data.to(device, non_blocking=non_blocking), spec, self.split_count, self.padding)
+
+        def move(t: Any) -> Any:
+            return t.to(device, non_blocking=non_blocking)
+
+        return self._with_fields(_moved(self.fields, move), map_constants(self.spec, move))
 
     def pin_memory(self) -> ElasticBatch:
         """A copy in page-locked memory (called by the DataLoader's pin-memory thread)."""
-        return ElasticBatch(self.data.pin_memory(), self.spec, self.split_count, self.padding)
+        return self._with_fields(_moved(self.fields, lambda t: t.pin_memory()), self.spec)
 
     def load(self, unit: str = "rows") -> BatchLoad:
         """The batch's :class:`BatchLoad` in ``unit``: what a :class:`SplitController` plans with.
@@ -197,12 +360,16 @@ class ElasticBatch:
             raise ValueError(f"split_count must be an int >= 1, got {count!r}")
         count = min(count, rows)
         sizes = split_sizes(rows, count) if balance == "rows" else self.load(balance).sizes(count)
+        fields, spec = self.fields, self.spec
+        if count == 1 and self.padding is None:  # the whole batch: nothing to slice
+            yield Microbatch(fields, 1.0, 0, 1, spec, self._source)
+            return
         start = 0
         for index, size in enumerate(sizes):
             stop = start + size
             if self.padding is not None:
-                data = self.padding.piece(self.data, start, stop)
+                piece = self.padding.piece(fields, start, stop)
             else:
-                data = self.data if size == rows else self.data[start:stop]  # a whole batch needs no slicing
-            yield Microbatch(data, size / rows, index, count, self.spec)
+                piece = slice_fields(fields, start, stop)
+            yield Microbatch(piece, size / rows, index, count, spec)
             start = stop

@@ -1,7 +1,9 @@
 """The elastic collate: runs in DataLoader workers and turns each batch into an ``ElasticBatch``.
 
 It calls the user's ``collate_fn`` (or torch's default collate, extended with the functions
-given to :func:`register_collate`) and takes the result apart with the batch-type registry. With
+given to :func:`register_collate`) and, in a worker, takes the result apart with the batch-type
+registry; in the main process (``num_workers=0``) that waits for the batch's first use
+(:meth:`ElasticBatch.deferred`). With
 ``pad_values`` it first pads the variable-length fields (see :mod:`elastic_batches.padding`). It
 pickles both registries along, so that registrations made in ``__main__`` apply in workers
 started with ``spawn`` (registrations whose functions cannot be pickled, such as lambdas, stay
@@ -14,6 +16,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate, default_collate_fn_map, default_convert
 
 from elastic_batches.batch import ElasticBatch
@@ -145,7 +148,9 @@ class ElasticCollate:
         if self.collate_fn is not None:
             return self.collate_fn(samples)
         if self.auto_collation:
-            collate_fn_map: dict[Any, Callable[..., Any]] = {**default_collate_fn_map, **_COLLATE_FNS}
+            collate_fn_map: dict[Any, Callable[..., Any]] = default_collate_fn_map
+            if _COLLATE_FNS:
+                collate_fn_map = {**default_collate_fn_map, **_COLLATE_FNS}
             return collate(samples, collate_fn_map=collate_fn_map)
         return default_convert(samples)
 
@@ -158,7 +163,9 @@ class ElasticCollate:
                 sort_by_length=self.sort_by_length,
                 buckets=self.shape_buckets,
             )
-        return ElasticBatch.wrap(self._collate(samples))
+        if get_worker_info() is None:  # the main process: taken apart on first use, if ever
+            return ElasticBatch.deferred(self._collate(samples))
+        return ElasticBatch.wrap(self._collate(samples))  # a worker: taken apart in parallel with the step
 
     def __getstate__(self) -> dict[str, Any]:
         return {

@@ -25,12 +25,11 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
-from elastic_batches.structures import to_tensordict
+from elastic_batches.structures import Fields, flatten, slice_fields
 
 __all__ = ["Padding", "check_pad_values", "collate_padded"]
 
@@ -66,20 +65,19 @@ class Padding:
     """Which fields of an :class:`ElasticBatch` are padded, with what, and each sample's lengths.
 
     Attributes:
-        values: ``TensorDict`` key of each padded field -> its pad value. A padded field has the
+        values: Field key of each padded field -> its pad value. A padded field has the
             batch as first dimension and the varying length as second.
-        lengths: ``TensorDict`` key -> each row's length in that field, in batch order.
+        lengths: Field key -> each row's length in that field, in batch order.
         buckets: Rounding of the microbatch shapes, or ``None`` for tight padding.
 
     Example:
         >>> import torch
-        >>> from tensordict import TensorDict
         >>> from elastic_batches import Padding
         >>> ids = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 0, 0]])
         >>> padding = Padding(values={"ids": 0}, lengths={"ids": (3, 2, 1)})
         >>> padding.row_lengths()
         [3, 2, 1]
-        >>> padding.piece(TensorDict({"ids": ids}, batch_size=[3]), 1, 3)["ids"].tolist()
+        >>> padding.piece({"ids": ids}, 1, 3)["ids"].tolist()
         [[4, 5], [6, 0]]
     """
 
@@ -91,22 +89,22 @@ class Padding:
         """Each row's length: the longest of its padded fields."""
         return [max(row) for row in zip(*self.lengths.values(), strict=True)]
 
-    def piece(self, data: TensorDictBase, start: int, stop: int) -> TensorDictBase:
-        """Rows ``start:stop`` of ``data`` with each padded field cut to their longest sample.
+    def piece(self, fields: Fields, start: int, stop: int) -> Fields:
+        """Rows ``start:stop`` of the batch's ``fields`` with each padded field cut to their longest sample.
 
         The padded fields come back contiguous. With :attr:`buckets`, the length is rounded up
         (new positions hold the pad value) and so are the rows (new rows hold only pad values).
 
         Raises:
-            ValueError: rows are rounded up but a field of ``data`` has no pad value.
+            ValueError: rows are rounded up but a field has no pad value.
         """
-        part = data[start:stop]
+        part = slice_fields(fields, start, stop)
         rows = stop - start
         buckets = self.buckets
         target_rows = rows if buckets is None else buckets.round_rows(rows)
-        fields = {}
+        padded = {}
         for key, value in self.values.items():
-            tensor = part.get(key)
+            tensor = part[key]
             longest = max(self.lengths[key][start:stop], default=0)
             width = longest if buckets is None else buckets.round_length(longest)
             if width <= tensor.shape[1]:
@@ -116,19 +114,18 @@ class Padding:
                 tensor = torch.cat([tensor, extra], dim=1)
             if target_rows > rows:
                 tensor = torch.cat([tensor, tensor.new_full((target_rows - rows, *tensor.shape[1:]), value)])
-            fields[key] = tensor
+            padded[key] = tensor
         if target_rows == rows:
-            for key, tensor in fields.items():
-                part.set(key, tensor)
+            part.update(padded)
             return part
-        unpadded = sorted(set(part.keys()) - set(fields))
+        unpadded = sorted(set(part) - set(padded))
         if unpadded:
             raise ValueError(
                 f"ShapeBuckets(rows={buckets.rows!r}) pads whole rows, but fields {unpadded} have no pad value: "  # type: ignore[union-attr]
                 "give every field a value in pad_values (its loss must ignore rows of pad values), "
                 "or use ShapeBuckets(rows=None)"
             )
-        return TensorDict(fields, batch_size=[target_rows], device=part.device)
+        return padded
 
 
 def _as_sequence(value: Any, key: Any, index: int) -> torch.Tensor:
@@ -224,13 +221,13 @@ def collate_padded(
             f"with pad_values, collate_fn must return a mapping of the samples' other fields, got "
             f"{type(rest).__qualname__}: return a dict, or drop pad_values and pad in collate_fn"
         )
-    data, spec = to_tensordict(merged)
+    fields, spec, _ = flatten(merged)
     padding = Padding(
         values={str(key): value for key, value in pad_values.items()},
         lengths={str(key): tuple(values) for key, values in lengths.items()},
         buckets=buckets,
     )
-    return ElasticBatch(data, spec, padding=padding)
+    return ElasticBatch.from_fields(fields, spec, padding=padding)
 
 
 def _pad(key: Any, sequences: list[torch.Tensor], value: PadValue) -> torch.Tensor:

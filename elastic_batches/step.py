@@ -33,7 +33,9 @@ class _Attempt:
 
 def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
     """Leaf tensors of the batch that require grad: their ``.grad`` is set aside like the parameters'."""
-    leaves = batch.data.values(include_nested=True, leaves_only=True)
+    fields = batch.fields.values()
+    plain = all(type(value) is torch.Tensor or type(value) is list for value in fields)
+    leaves = fields if plain else batch.data.values(include_nested=True, leaves_only=True)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
 
 

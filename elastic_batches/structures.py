@@ -1,10 +1,12 @@
-"""The user's batch structure <-> a flat TensorDict, and back.
+"""The user's batch structure <-> flat, row-splittable fields, and back.
 
 A batch is taken apart into *fields*: every tensor with a batch dimension, every per-sample list
-of Python objects (stored as a ``NonTensorStack``), every nested TensorDict or tensorclass. They
-go into one ``TensorDict`` with ``batch_size=[B]`` that can be split by rows. What is left — the
-containers and the values without a batch dimension — is kept in a small picklable *spec* that
-rebuilds the user's structure around any row slice of the fields.
+of Python objects, every nested TensorDict or tensorclass. They go into one flat ``dict`` (key ->
+field) whose values all have the batch as first dimension, so that any row slice of every value
+is a row slice of the batch; :func:`to_tensordict` wraps them in one ``TensorDict`` with
+``batch_size=[B]`` (per-sample lists as ``NonTensorStack``). What is left — the containers and the
+values without a batch dimension — is kept in a small picklable *spec* that rebuilds the user's
+structure around any row slice of the fields.
 
 Rules, in order:
 
@@ -31,7 +33,21 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
-__all__ = ["BatchSpec", "from_tensordict", "register_batch_type", "to_tensordict"]
+__all__ = [
+    "BatchSpec",
+    "Fields",
+    "as_tensordict",
+    "flatten",
+    "from_tensordict",
+    "leading_rows",
+    "rebuild",
+    "register_batch_type",
+    "slice_fields",
+    "to_tensordict",
+]
+
+Fields = dict[str, Any]
+"""Flat fields of a batch: key -> tensor, TensorDict, tensorclass or per-sample list, all ``B`` rows long."""
 
 
 class _Registration(NamedTuple):
@@ -276,8 +292,7 @@ class _Flattener:
                     "with one item per sample, or register the batch type with "
                     "elastic_batches.register_batch_type"
                 )
-            stack = NonTensorStack.from_list(list(value)) if value else NonTensorStack()
-            return _Objects(self.add(path, stack, len(value)))
+            return _Objects(self.add(path, list(value), len(value)))
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             names = tuple(f.name for f in dataclasses.fields(value))
             children = tuple(self.visit(getattr(value, name), (*path, name)) for name in names)
@@ -316,6 +331,80 @@ def _empty_copy(mapping: Mapping[Any, Any]) -> Any:
     )
 
 
+def flatten(batch: Any) -> tuple[Fields, BatchSpec, int]:
+    """Take a batch apart into flat fields, the spec that rebuilds it, and its rows.
+
+    Raises:
+        TypeError: a value of a type that cannot be split; the message names the type and
+            ``register_batch_type``.
+        ValueError: the batch has no field with a batch dimension, or fields disagree on the
+            batch size (the message names each field and its size).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.structures import flatten, rebuild, slice_fields
+        >>> fields, spec, rows = flatten({"x": torch.zeros(3, 2), "text": ["a", "b", "c"], "lr": 0.1})
+        >>> sorted(fields), rows
+        (['text', 'x'], 3)
+        >>> rebuild(slice_fields(fields, 1, 3), spec)["text"]
+        ['b', 'c']
+    """
+    flattener = _Flattener()
+    root = flattener.visit(batch, ())
+    sizes = flattener.sizes
+    if not sizes:
+        raise ValueError(
+            f"cannot split a batch of type {type(batch).__qualname__}: it holds no tensor with a batch "
+            "dimension and no per-sample list"
+        )
+    distinct = set(sizes.values())
+    if len(distinct) > 1:
+        listed = ", ".join(f"'{key}' ({size})" for key, size in sizes.items())
+        raise ValueError(f"batch fields disagree on the batch size (leading dimension): {listed}")
+    return flattener.fields, BatchSpec(root), distinct.pop()
+
+
+def leading_rows(batch: Any) -> int | None:
+    """The batch's rows read from its first tensor, for what default collate yields; else ``None``.
+
+    A cheap look at a tensor, or at the first value of a ``dict``, ``tuple`` or ``list`` when that
+    is a tensor with a batch dimension: what :func:`flatten` finds for such a batch when its
+    fields agree (it checks that they do).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.structures import leading_rows
+        >>> leading_rows({"x": torch.zeros(5, 2), "y": torch.zeros(5)}), leading_rows(["a", "b"])
+        (5, None)
+    """
+    kind = type(batch)
+    if kind is dict:
+        first = next(iter(batch.values()), None)
+    elif (kind is tuple or kind is list) and batch:
+        first = batch[0]
+    else:
+        first = batch
+    if type(first) is not torch.Tensor or not first.dim() or _registration_for(kind) is not None:
+        return None
+    return int(first.shape[0])
+
+
+def slice_fields(fields: Fields, start: int, stop: int) -> Fields:
+    """Rows ``start:stop`` of every field."""
+    return {key: value[start:stop] for key, value in fields.items()}
+
+
+def as_tensordict(fields: Fields, rows: int) -> TensorDict:
+    """The fields as one ``TensorDict`` with ``batch_size=[rows]`` (per-sample lists as ``NonTensorStack``)."""
+    return TensorDict(
+        {
+            key: (NonTensorStack.from_list(value) if value else NonTensorStack()) if type(value) is list else value
+            for key, value in fields.items()
+        },
+        batch_size=[rows],
+    )
+
+
 def to_tensordict(batch: Any) -> tuple[TensorDict, BatchSpec]:
     """Take a batch apart into a row-splittable TensorDict and the spec that rebuilds it.
 
@@ -340,20 +429,8 @@ def to_tensordict(batch: Any) -> tuple[TensorDict, BatchSpec]:
         >>> from_tensordict(fields[1:], spec)["text"]
         ['b', 'c']
     """
-    flattener = _Flattener()
-    root = flattener.visit(batch, ())
-    sizes = flattener.sizes
-    if not sizes:
-        raise ValueError(
-            f"cannot split a batch of type {type(batch).__qualname__}: it holds no tensor with a batch "
-            "dimension and no per-sample list"
-        )
-    distinct = set(sizes.values())
-    if len(distinct) > 1:
-        listed = ", ".join(f"'{key}' ({size})" for key, size in sizes.items())
-        raise ValueError(f"batch fields disagree on the batch size (leading dimension): {listed}")
-    batch_size = distinct.pop()
-    return TensorDict(flattener.fields, batch_size=[batch_size]), BatchSpec(root)
+    fields, spec, rows = flatten(batch)
+    return as_tensordict(fields, rows), spec
 
 
 def from_tensordict(fields: TensorDictBase, spec: BatchSpec) -> Any:
@@ -376,28 +453,35 @@ def from_tensordict(fields: TensorDictBase, spec: BatchSpec) -> Any:
     return _build(spec.root, fields)
 
 
-def _build(node: Any, fields: TensorDictBase) -> Any:
-    if isinstance(node, _Field):
+def rebuild(fields: Fields, spec: BatchSpec) -> Any:
+    """Rebuild the user's structure around flat ``fields`` (from :func:`flatten`, or a row slice of them)."""
+    return _build(spec.root, fields)
+
+
+def _build(node: Any, fields: Fields | TensorDictBase) -> Any:
+    kind = type(node)
+    if kind is _Field:
         return fields.get(node.key)
-    if isinstance(node, _Objects):
-        return fields.get(node.key).tolist()
-    if isinstance(node, _Constant):
+    if kind is _Objects:
+        objects: Any = fields.get(node.key)
+        return objects if type(objects) is list else objects.tolist()
+    if kind is _Constant:
         return node.value
-    if isinstance(node, _Sequence):
+    if kind is _Sequence:
         return node.rebuild([_build(child, fields) for child in node.children])
-    if isinstance(node, _Map):
+    if kind is _Map:
         values = {key: _build(child, fields) for key, child in zip(node.keys, node.children, strict=True)}
         if node.template is None:
             return values
         mapping = copy.copy(node.template)
         mapping.update(values)
         return mapping
-    if isinstance(node, _Dataclass):
+    if kind is _Dataclass:
         obj = copy.copy(node.template)
         for name, child in zip(node.names, node.children, strict=True):
             object.__setattr__(obj, name, _build(child, fields))
         return obj
-    if isinstance(node, _Registered):
+    if kind is _Registered:
         registration = _registration_for(node.cls)
         if registration is None:
             raise TypeError(

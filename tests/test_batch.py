@@ -81,7 +81,8 @@ def test_repr_names_rows_tag_and_fields() -> None:
 def test_microbatch_repr_and_len() -> None:
     mb = next(eb.ElasticBatch.wrap(torch.zeros(10, 1)).microbatches(3))
     assert len(mb) == 4
-    assert repr(mb).startswith("Microbatch(data=TensorDict(") and "weight=0.4, index=0, count=3)" in repr(mb)
+    assert repr(mb) == "Microbatch(rows=4, weight=0.4, index=0, count=3)"
+    assert mb.data.batch_size == torch.Size([4]) and mb.data["batch"].shape == (4, 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,8 +96,12 @@ def test_registrations_of_the_receiving_process_win() -> None:
 
 
 def test_unsplittable_collate_result_names_the_type_and_register_batch_type() -> None:
+    batch = eb.ElasticCollate(collate_boxed)([1, 2])  # in the main process: taken apart on first use
     with pytest.raises(TypeError, match=r"cannot split a batch of type Boxed: register it with .*register_batch_type"):
-        eb.ElasticCollate(collate_boxed)([1, 2])
+        next(batch.microbatches(2))
+    loader = eb.MicrobatchingDataLoader([1, 2, 3, 4], batch_size=2, collate_fn=collate_boxed)
+    with pytest.raises(TypeError, match=r"cannot split a batch of type Boxed: register it with .*register_batch_type"):
+        next(iter(loader))  # the loader takes its first batch apart before yielding it
 
 
 @pytest.mark.parametrize(

@@ -245,6 +245,34 @@ def test_state_round_trip_contract(num_workers: int) -> None:
             assert [_rows(b) for b in resumed] == epochs[1], f"epoch after stop {stop}"
 
 
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep-last", "drop-last"])
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
+def test_batches_and_mid_epoch_state_are_torchdatas(shuffle: bool, drop_last: bool) -> None:
+    """The loader draws each batch's indices in one step; the batches and the resumed rest are torchdata's."""
+
+    def loaders() -> tuple[StatefulDataLoader, eb.MicrobatchingDataLoader]:
+        kwargs: dict[str, Any] = {"batch_size": 3, "shuffle": shuffle, "drop_last": drop_last}
+        torch.manual_seed(5)
+        plain = StatefulDataLoader(_dataset(16), **kwargs)
+        torch.manual_seed(5)
+        return plain, eb.MicrobatchingDataLoader(_dataset(16), **kwargs)
+
+    plain, elastic = loaders()
+    expected = [b[1].tolist() for b in plain]
+    assert [_rows(b) for b in elastic] == expected and len(expected) == (5 if drop_last else 6)
+    plain, elastic = loaders()
+    plain_iter, elastic_iter = iter(plain), iter(elastic)
+    for _ in range(2):
+        next(plain_iter), next(elastic_iter)
+    plain_state, elastic_state = plain.state_dict(), elastic.state_dict()
+    ours, theirs = elastic_state["loader"]["_sampler_iter_state"], plain_state["_sampler_iter_state"]
+    assert ours.keys() == theirs.keys() and ours["samples_yielded"] == theirs["samples_yielded"] == 6
+    resumed_plain, resumed = loaders()
+    resumed_plain.load_state_dict(plain_state)
+    resumed.load_state_dict(elastic_state)
+    assert [_rows(b) for b in resumed] == [b[1].tolist() for b in resumed_plain] == expected[2:]
+
+
 def test_state_restores_the_learned_split_count() -> None:
     controller = eb.SplitController()
     loader = _loader(controller)
