@@ -10,8 +10,7 @@ next to nothing over the loader it wraps.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from elastic_batches.structures import (
     leading_rows,
     map_constants,
     rebuild,
-    slice_fields,
+    split_fields,
 )
 
 if TYPE_CHECKING:
@@ -42,7 +41,6 @@ def _moved(fields: Fields, move: Any) -> Fields:
     return {key: value if type(value) is list else move(value) for key, value in fields.items()}
 
 
-@dataclasses.dataclass(frozen=True)
 class Microbatch:
     """One piece of an :class:`ElasticBatch`.
 
@@ -53,6 +51,7 @@ class Microbatch:
             :meth:`ElasticStep.backward`). The weights of a batch sum to 1.
         index: Position of the microbatch in the split, from 0.
         count: Number of microbatches in the split.
+        spec: How the user's structure is rebuilt around ``fields``.
 
     Example:
         >>> import torch
@@ -64,12 +63,18 @@ class Microbatch:
         Microbatch(rows=4, weight=0.4, index=0, count=3)
     """
 
-    fields: Fields = dataclasses.field(repr=False)
-    weight: float
-    index: int
-    count: int
-    spec: BatchSpec = dataclasses.field(repr=False)
-    source: Any = dataclasses.field(default=_NO_SOURCE, repr=False)  # the user's object, for a whole batch
+    __slots__ = ("_data", "_source", "count", "fields", "index", "spec", "weight")
+
+    def __init__(
+        self, fields: Fields, weight: float, index: int, count: int, spec: BatchSpec, source: Any = _NO_SOURCE
+    ) -> None:
+        self.fields = fields
+        self.weight = weight
+        self.index = index
+        self.count = count
+        self.spec = spec
+        self._source = source  # the user's object, for a whole batch
+        self._data: TensorDictBase | None = None
 
     def __len__(self) -> int:
         return len(next(iter(self.fields.values())))
@@ -77,15 +82,21 @@ class Microbatch:
     def __repr__(self) -> str:
         return f"Microbatch(rows={len(self)}, weight={self.weight}, index={self.index}, count={self.count})"
 
-    @functools.cached_property
+    @property
     def data(self) -> TensorDictBase:
         """The microbatch's fields as a ``TensorDict`` with ``batch_size=[rows]`` (built on first read)."""
-        return as_tensordict(self.fields, len(self))
+        if self._data is None:
+            self._data = as_tensordict(self.fields, len(self))
+        return self._data
+
+    def reweighted(self, weight: float) -> Microbatch:
+        """The same rows with another weight."""
+        return Microbatch(self.fields, weight, self.index, self.count, self.spec, self._source)
 
     def unwrap(self) -> Any:
         """The microbatch in the user's own structure (what the plain DataLoader yields, cut to these rows)."""
-        if self.source is not _NO_SOURCE:
-            return self.source
+        if self._source is not _NO_SOURCE:
+            return self._source
         return rebuild(self.fields, self.spec)
 
     def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> Microbatch:
@@ -364,12 +375,10 @@ class ElasticBatch:
         if count == 1 and self.padding is None:  # the whole batch: nothing to slice
             yield Microbatch(fields, 1.0, 0, 1, spec, self._source)
             return
-        start = 0
-        for index, size in enumerate(sizes):
-            stop = start + size
-            if self.padding is not None:
-                piece = self.padding.piece(fields, start, stop)
-            else:
-                piece = slice_fields(fields, start, stop)
+        if self.padding is None:
+            pieces = split_fields(fields, sizes)
+        else:
+            stops = list(itertools.accumulate(sizes))
+            pieces = [self.padding.piece(fields, stop - size, stop) for size, stop in zip(sizes, stops, strict=True)]
+        for index, (piece, size) in enumerate(zip(pieces, sizes, strict=True)):
             yield Microbatch(piece, size / rows, index, count, spec)
-            start = stop

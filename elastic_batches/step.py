@@ -409,8 +409,7 @@ class ElasticStep:
                 return _Attempt(OOM if is_oom_error(err) else ERROR, size, 0.0, 0, error=err)
             total = sum(counts)
             microbatches = [
-                dataclasses.replace(mb, weight=c / total if total else 0.0)
-                for mb, c in zip(microbatches, counts, strict=True)
+                mb.reweighted(c / total if total else 0.0) for mb, c in zip(microbatches, counts, strict=True)
             ]
         started = 0
         losses: list[torch.Tensor] = []  # weighted and detached; summed once, not once per microbatch

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import itertools
 import numbers
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, NamedTuple
@@ -43,6 +44,7 @@ __all__ = [
     "rebuild",
     "register_batch_type",
     "slice_fields",
+    "split_fields",
     "to_tensordict",
 ]
 
@@ -392,6 +394,26 @@ def leading_rows(batch: Any) -> int | None:
 def slice_fields(fields: Fields, start: int, stop: int) -> Fields:
     """Rows ``start:stop`` of every field."""
     return {key: value[start:stop] for key, value in fields.items()}
+
+
+def split_fields(fields: Fields, sizes: list[int]) -> list[Fields]:
+    """The fields cut into consecutive pieces of ``sizes`` rows (a tensor in one ``split`` call).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.structures import split_fields
+        >>> pieces = split_fields({"x": torch.arange(5), "names": list("abcde")}, [3, 2])
+        >>> [(p["x"].tolist(), p["names"]) for p in pieces]
+        [([0, 1, 2], ['a', 'b', 'c']), ([3, 4], ['d', 'e'])]
+    """
+    stops = list(itertools.accumulate(sizes))
+    starts = [0, *stops[:-1]]
+    bounds = list(zip(starts, stops, strict=True))
+    columns = [
+        (key, value.split(sizes) if type(value) is torch.Tensor else [value[a:b] for a, b in bounds])
+        for key, value in fields.items()
+    ]
+    return [{key: pieces[i] for key, pieces in columns} for i in range(len(sizes))]
 
 
 def as_tensordict(fields: Fields, rows: int) -> TensorDict:
