@@ -9,7 +9,7 @@ that nothing dilutes the overhead). The hand-written loop is what a careful user
 
 ``ElasticStep`` receives what ``MicrobatchingDataLoader`` yields (an ``ElasticBatch``, taken apart in
 the loader's workers), and does its own bookkeeping on top: set existing gradients aside, cut the
-batch into ``TensorDict`` microbatches and rebuild the user's structure for each, check the
+batch's fields into microbatches and rebuild the user's structure for each, check the
 loss, vote (a no-op in one process), put the gradients back and report to the controller.
 
 Models: the demo's tiny transformer LM (64 sequences of 32 tokens), a small MLP classifier
