@@ -177,10 +177,12 @@ class ElasticStep:
         if rows == 0:
             raise ValueError("ElasticStep.backward: the batch is empty (0 rows); skip empty batches before the step")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        inputs = _input_leaves(batch)  # batch tensors that collect a gradient of their own
-        stashed = [t.grad for t in params + inputs]
-        for t in params + inputs:
-            t.grad = None
+        tensors = params + _input_leaves(batch)  # and the batch tensors that collect a gradient of their own
+        stashed = [t.grad for t in tensors]
+        outer = any(grad is not None for grad in stashed)  # gradients of earlier batches, set aside
+        if outer:
+            for t in tensors:
+                t.grad = None
         merged = False
         try:
             while True:
@@ -189,7 +191,7 @@ class ElasticStep:
                 verdict = self.sync.vote(attempt.status, attempt.size, attempt.total)
                 if verdict.status == OK:
                     break
-                for t in params + inputs:
+                for t in tensors:
                     t.grad = None
                 self.sync.discard()
                 status, error, started = attempt.status, attempt.error, attempt.started
@@ -200,18 +202,19 @@ class ElasticStep:
                 del error
                 release_memory()
             self.sync.reduce(params, verdict.scale)
-            for t, old in zip(params + inputs, stashed, strict=True):
-                if old is not None and t.grad is not None:
-                    old.add_(t.grad)
-                if old is not None:
-                    t.grad = old
+            if outer:
+                for t, old in zip(tensors, stashed, strict=True):
+                    if old is not None and t.grad is not None:
+                        old.add_(t.grad)
+                    if old is not None:
+                        t.grad = old
             merged = True
             self.controller.record_success(verdict.size, batch.load(self.controller.unit))
             assert attempt.loss is not None
             return attempt.loss
         finally:
             if not merged:
-                for t, old in zip(params + inputs, stashed, strict=True):
+                for t, old in zip(tensors, stashed, strict=True):
                     t.grad = old
 
     def evaluate(self, batch: ElasticBatch | Any, fn: Callable[[Any], Any], *, unwrap: bool = True) -> list[Any]:
