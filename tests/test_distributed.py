@@ -278,8 +278,9 @@ def test_batch_norm_with_broadcast_buffers_matches_plain_ddp(ranks: RankPool) ->
         assert result["weight_error"] <= RTOL
 
 
-def test_batch_norm_with_an_oom_on_one_rank(ranks: RankPool) -> None:
-    results = ranks.run(_batch_norm, [("forward", "model", [1], 1)], timeout=60)
+@pytest.mark.parametrize("call", [1, 3], ids=["first-step", "second-step-last-microbatch"])
+def test_batch_norm_with_an_oom_on_one_rank(ranks: RankPool, call: int) -> None:
+    results = ranks.run(_batch_norm, [("forward", "model", [call], 1)], timeout=60)
     assert results[0]["count"] == results[1]["count"] > 2
     assert all(r["buffers_agree"] for r in results)
     for result in results:
