@@ -12,16 +12,22 @@ microbatches weighted by their rows, gradient synchronisation once, ``SGD.step``
   accumulation (``set_reshard_after_forward/backward(False)`` until the last microbatch): the
   same memory as ``ElasticStep``'s scheme, which all-gathers once per attempt.
 
-``ElasticStep`` instead runs every microbatch without a collective, then votes (one
-``all_gather`` of 4 numbers), then reduces in its own buckets (DDP: ``all_reduce``; FSDP2:
-``reduce_scatter``). Its cost is split into the vote and the gradient sync (``prepare`` +
-``reduce``), timed inside the step. The vote in a step also absorbs the wait for the slower
-rank (plain DDP waits in its last backward instead), so the vote is also timed alone, with
-the ranks arriving together ("vote alone"). The DDP baseline's sync is estimated as the extra
-time of its last (synchronising) microbatch over the others. For FSDP2 the row "fsdp2 kept"
-gives the second baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over rounds that
-alternate which side runs first, each step bracketed by a barrier and timed as the slower
-rank's. The machine may be shared: rerun before trusting a ratio near the target.
+``ElasticStep`` instead runs every microbatch without a collective, then votes, then reduces
+in its own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the
+second step on; the first step's vote is a separate ``all_gather``), then the other buckets
+follow (one bucket for both models here); under FSDP2 the vote is an ``all_gather`` of 4
+numbers, then ``reduce_scatter``. Its cost is split into the vote ("vote ms": under DDP the
+first bucket's all-reduce with the vote in it) and the rest of the gradient sync (``prepare``
++ ``reduce``), timed inside the step. The vote in a step also absorbs the wait for the slower
+rank (plain DDP waits in its last backward instead), so it is also timed alone, with the ranks
+arriving together ("vote alone"), and so is a separate ``all_gather`` vote ("all_gather
+vote"), the round trip that the fused vote saves under DDP and that FSDP2 still pays. The
+collectives an ElasticStep starts per DDP step are counted ("collectives/step": all-reduces
+and all-gathers, steady state). The DDP baseline's sync is estimated as the extra time of its last
+(synchronising) microbatch over the others. For FSDP2 the row "fsdp2 kept" gives the second
+baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over
+rounds that alternate which side runs first, each step bracketed by a barrier and timed as the
+slower rank's. The machine may be shared: rerun before trusting a ratio near the target.
 
 Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds).
 Prints a table, then one JSON line per model and scheme.
@@ -35,7 +41,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -75,12 +81,33 @@ def _fsdp(model: nn.Sequential, mesh: Any) -> nn.Module:
 
 
 class _Timed:
-    """Wraps the sync object's methods to add their seconds to ``totals``."""
+    """Wraps the sync object's methods to add their seconds to ``totals``, and counts collectives in ``calls``."""
 
     def __init__(self, sync: Any) -> None:
         self.totals = {"vote": 0.0, "sync": 0.0}
+        self.calls = {"all_reduce": 0, "all_gather_into_tensor": 0}
         for name, bucket in (("vote", "vote"), ("prepare", "sync"), ("reduce", "sync")):
             setattr(sync, name, self._timed(getattr(sync, name), bucket))
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count ``torch.distributed``'s all-reduces and all-gathers (the library looks them up at each call)."""
+        originals = {name: getattr(dist, name) for name in self.calls}
+
+        def counted(name: str) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self.calls[name] += 1
+                return originals[name](*args, **kwargs)
+
+            return call
+
+        for name in originals:
+            setattr(dist, name, counted(name))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
 
     def _timed(self, fn: Callable[..., Any], bucket: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -135,6 +162,7 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
     batch = eb.ElasticBatch.wrap((x, y), split_count=SPLIT)  # what MicrobatchingDataLoader yields
     timed = _Timed(step.sync)
     probes["timed"], probes["sync"] = timed, step.sync
+    probes["params"] = [p for p in elastic.parameters() if p.requires_grad]
 
     def run_elastic() -> None:
         step.backward(batch, lambda mb: loss(elastic(mb[0]), mb[1]))
@@ -164,15 +192,34 @@ def _measure(rank: int, variants: dict[str, Callable[[], None]]) -> dict[str, li
     return times
 
 
-def _vote_alone(sync: Any, calls: int = 50) -> float:
-    """Seconds per vote when the ranks arrive together: its own latency, without waiting for a slower rank."""
+def _vote_alone(sync: Any, params: list[torch.Tensor] | None, calls: int = 50) -> float:
+    """Seconds per vote when the ranks arrive together: its own latency, without waiting for a slower rank.
+
+    With ``params``, the vote of a backward (under DDP: the first bucket's all-reduce, which
+    carries it), between a ``prepare`` and a ``discard`` that are not timed; without, a separate
+    ``all_gather`` vote.
+    """
+    spent = 0.0
     dist.barrier()
-    start = time.perf_counter()
     for _ in range(calls):
-        sync.vote(eb.distributed.OK, 1, 1.0)
-    elapsed = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
+        if params is not None:
+            sync.prepare(params)
+        start = time.perf_counter()
+        sync.vote(eb.distributed.OK, 1, 1.0, params)
+        spent += time.perf_counter() - start
+        sync.discard()
+    elapsed = torch.tensor([spent / calls], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
+
+
+def _collectives_per_step(run: Callable[[], None], timed: _Timed, steps: int = 5) -> dict[str, float]:
+    """All-reduces and all-gathers that one ElasticStep starts per step, in steady state."""
+    timed.calls = dict.fromkeys(timed.calls, 0)
+    with timed.counting():
+        for _ in range(steps):
+            run()
+    return {name: count / steps for name, count in timed.calls.items()}
 
 
 def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
@@ -188,7 +235,10 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
             timed = probes["timed"]
             timed.totals.update(vote=0.0, sync=0.0)
             times = _measure(rank, variants)
-            vote_alone = _vote_alone(probes["sync"])
+            in_steps = dict(timed.totals)  # before the probes below call the timed methods again
+            ddp = kind == "ddp"
+            vote_alone = _vote_alone(probes["sync"], probes["params"] if ddp else None)
+            all_gather_vote = _vote_alone(probes["sync"], None)
             calls = ROUNDS + 1  # the warm-up ran once too
             plain = statistics.median(times["plain"])
             elastic = statistics.median(times["elastic"])
@@ -200,13 +250,17 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 "plain_ms": 1e3 * plain,
                 "elastic_ms": 1e3 * elastic,
                 "ratio": statistics.median(e / p for e, p in zip(times["elastic"], times["plain"], strict=True)),
-                "vote_ms": 1e3 * timed.totals["vote"] / calls,
+                "vote_ms": 1e3 * in_steps["vote"] / calls,
                 "vote_alone_ms": 1e3 * vote_alone,
-                "elastic_sync_ms": 1e3 * timed.totals["sync"] / calls,
+                "all_gather_vote_ms": 1e3 * all_gather_vote,
+                "elastic_sync_ms": 1e3 * in_steps["sync"] / calls,
                 "target": TARGET,
             }
-            if kind == "ddp":
+            if ddp:
                 record["plain_sync_ms"] = 1e3 * statistics.median(probes["last_extra"])
+                collectives = _collectives_per_step(variants["elastic"], timed)
+                record["all_reduces_per_step"] = collectives["all_reduce"]
+                record["all_gathers_per_step"] = collectives["all_gather_into_tensor"]
             else:
                 kept = times["kept"]
                 record["kept_ms"] = 1e3 * statistics.median(kept)
@@ -229,14 +283,18 @@ def main() -> None:
         records = results.get(timeout=1800)
         for process in processes:
             process.join()
-    headers = ["model", "scheme", "plain ms", "elastic ms", "ratio", "vote ms", "vote alone ms", "elastic sync ms"]
-    headers.append("plain sync ms")
+    headers = ["model", "scheme", "plain ms", "elastic ms", "ratio", "vote ms", "vote alone ms", "all_gather vote ms"]
+    headers += ["elastic sync ms", "plain sync ms", "collectives/step"]
     rows = []
     for r in records:
         plain_sync = f"{r['plain_sync_ms']:.2f}" if "plain_sync_ms" in r else "n/a"
+        collectives = "n/a"
+        if "all_reduces_per_step" in r:
+            collectives = f"{r['all_reduces_per_step']:g} ar + {r['all_gathers_per_step']:g} ag"
         rows.append(
             [r["model"], r["scheme"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}", f"{r['ratio']:.3f}",
-             f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}", f"{r['elastic_sync_ms']:.2f}", plain_sync]
+             f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}", f"{r['all_gather_vote_ms']:.2f}",
+             f"{r['elastic_sync_ms']:.2f}", plain_sync, collectives]
         )  # fmt: skip
         if "kept_ms" in r:
             kept = [r["model"], "fsdp2 kept", f"{r['kept_ms']:.2f}", "", f"{r['ratio_to_kept']:.3f}"]

@@ -8,14 +8,18 @@ The protocol (``docs/distributed.md`` walks through it on two ranks):
    A rank may therefore raise at any point of any microbatch without leaving a peer waiting.
 2. Still before any collective, each rank allocates what the gradient reduction will need
    (``prepare``); an OOM there is an OOM of the attempt like any other.
-3. Every rank then enters one small ``all_gather`` (the *vote*): its outcome (ok, OOM,
+3. Every rank then enters one collective that carries the *vote*: its outcome (ok, OOM,
    error), the size of its largest microbatch and its weight total. Every rank learns the
-   same thing from it.
+   same thing from it. Under DDP, once every rank holds the persistent buffer of the first
+   gradient bucket (confirmed by the first step's vote), the vote travels in that bucket's
+   ``all_reduce``: each rank's gradients pre-scaled by its total, its vote in its own slot
+   (a rank that failed sends zeros and its vote). Otherwise (the first step, FSDP2, a plain
+   module, ``evaluate``) the vote is a small ``all_gather`` of its own.
 4. If any rank failed, every rank throws the attempt's gradients away (``discard``) and
-   either retries with the same new split count or raises. Otherwise each rank scales its
-   gradients by ``total_r / sum(totals)`` and reduces them (DDP: bucketed ``all_reduce``;
-   FSDP2: bucketed ``reduce_scatter`` into the sharded gradients), using only the memory
-   allocated in step 2.
+   either retries with the same new split count or raises. Otherwise the gradients become the
+   weighted mean ``sum_r(total_r * grad_r) / sum_r(total_r)`` (DDP: the remaining buckets'
+   ``all_reduce``; FSDP2: bucketed ``reduce_scatter`` into the sharded gradients), using only
+   memory allocated before the vote.
 
 :func:`gradient_sync_for` picks the scheme for a model. :meth:`GradientSync.agree` is the
 same small collective for other phases that may raise on one rank only (the optimizer step).
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -38,6 +43,11 @@ __all__ = ["ERROR", "OK", "OOM", "GradientSync", "Outcome", "Verdict", "gradient
 OK, OOM, ERROR = 0, 1, 2
 _BUCKET_BYTES = 25 * 1024 * 1024
 _VOTE_WIDTH = 4  # values each rank contributes to one vote
+_VOTE_VALUES = 3  # status, size, total: the vote of an attempt
+# A fused vote carries each rank's three float64 as their 24 bytes, one byte (0..255) per
+# gradient element: exact in any of these dtypes, and exact in a sum where the other ranks add 0.
+_VOTE_BYTES = 8 * _VOTE_VALUES
+_BYTE_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class Verdict(NamedTuple):
@@ -72,6 +82,20 @@ class Outcome(NamedTuple):
     oom_ranks: tuple[int, ...]
     error_ranks: tuple[int, ...]
     sums: tuple[float, ...]
+
+
+def _verdict(rows: Sequence[Sequence[float]], total: float) -> Verdict:
+    """The verdict from every rank's ``(status, size, total)``, for the rank whose total is ``total``."""
+    statuses = [int(r[0]) for r in rows]
+    oom_sizes = [int(r[1]) for r in rows if int(r[0]) == OOM]
+    grand_total = math.fsum(r[2] for r in rows)
+    return Verdict(
+        status=max(statuses),
+        oom_size=min(oom_sizes) if oom_sizes else 0,
+        size=min(int(r[1]) for r in rows),
+        scale=total / grand_total if grand_total else 0.0,
+        error_ranks=tuple(rank for rank, s in enumerate(statuses) if s == ERROR),
+    )
 
 
 def _outcome(rows: Sequence[Sequence[float]], count: int) -> Outcome:
@@ -112,16 +136,23 @@ class GradientSync:
         """The context every microbatch of an attempt runs in: no collective may start inside."""
         yield
 
-    def prepare(self) -> None:
-        """Allocate what :meth:`reduce` needs, before the vote: an OOM here is the attempt's OOM."""
+    def prepare(self, params: Sequence[torch.Tensor]) -> None:
+        """Allocate what :meth:`reduce` needs, before the vote: an OOM here is the attempt's OOM.
 
-    def vote(self, status: int, size: int, total: float) -> Verdict:
+        Args:
+            params: The trained parameters whose ``.grad`` the attempt accumulated.
+        """
+
+    def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
         """Share this rank's outcome of an attempt; every rank gets the same verdict back.
 
         Args:
             status: ``OK``, ``OOM`` or ``ERROR``.
             size: Size of this rank's largest microbatch (rows, or the controller's unit).
             total: This rank's weight total (rows, or counted items).
+            params: The parameters of a ``backward`` attempt (the same list as for
+                :meth:`prepare`): DDP may start reducing their gradients in the vote's own
+                collective. ``None`` (``evaluate``): no gradients.
         """
         return Verdict(status, size if status == OOM else 0, size, 1.0, (0,) if status == ERROR else ())
 
@@ -188,18 +219,8 @@ class _Agreeing(GradientSync):
         dist.all_gather_into_tensor(self._gathered, self._mine, group=self.group)
         return self._gathered.view(self.world_size, _VOTE_WIDTH).tolist()
 
-    def vote(self, status: int, size: int, total: float) -> Verdict:
-        gathered = self._exchange((status, size, total))
-        statuses = [int(r[0]) for r in gathered]
-        oom_sizes = [int(r[1]) for r in gathered if int(r[0]) == OOM]
-        grand_total = math.fsum(r[2] for r in gathered)
-        return Verdict(
-            status=max(statuses),
-            oom_size=min(oom_sizes) if oom_sizes else 0,
-            size=min(int(r[1]) for r in gathered),
-            scale=total / grand_total if grand_total else 0.0,
-            error_ranks=tuple(rank for rank, s in enumerate(statuses) if s == ERROR),
-        )
+    def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        return _verdict(self._exchange((status, size, total)), total)
 
     def agree(self, status: int, *values: float) -> Outcome:
         _check_values(values)
@@ -235,46 +256,158 @@ def _by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.d
     return kinds
 
 
+def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s elements as a 1-D view in the order they lie in memory; ``None`` unless one dense block.
+
+    Autograd gives a gradient the layout of its parameter when that is dense (channels-last
+    included) and a contiguous one otherwise, so a gradient always has such a view.
+    """
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    permuted = tensor.permute(sorted(range(tensor.dim()), key=tensor.stride, reverse=True))
+    return permuted.view(-1) if permuted.is_contiguous() else None
+
+
+def _segments(numels: Sequence[int], splittable: Sequence[bool], capacity: int) -> list[list[tuple[int, int, int]]]:
+    """Buckets of ``(index, start, stop)`` (elements of tensor ``index``) of at most ``capacity`` elements.
+
+    Consecutive tensors fill a bucket; a splittable tensor continues in the next bucket where
+    one is full, so that no bucket exceeds ``capacity``. A tensor that cannot be split goes
+    whole into a bucket (alone when it is larger than ``capacity``). Empty tensors are left out.
+    """
+    buckets: list[list[tuple[int, int, int]]] = []
+    bucket: list[tuple[int, int, int]] = []
+    room = capacity
+    for index, numel in enumerate(numels):
+        start = 0
+        while start < numel:
+            whole = not splittable[index]
+            if bucket and (room <= 0 or (whole and numel > room)):
+                buckets.append(bucket)
+                bucket, room = [], capacity
+            stop = numel if whole else min(numel, start + room)
+            bucket.append((index, start, stop))
+            room -= stop - start
+            start = stop
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """Segments of tensors reduced together in one collective, through views of a persistent flat buffer."""
+
+    segments: list[tuple[int, int, int]]  # (tensor index, start, stop) over the tensor's elements in memory order
+    views: list[torch.Tensor]  # per segment, where it lies in the flat buffer (shaped as the tensor if unsplit)
+    flat: torch.Tensor  # the used part of the flat buffer: the concatenated segments
+
+
 class _FlatPlan:
-    """Tensors grouped by dtype and device into buckets, with one flat buffer per group, reused per bucket."""
+    """Tensors in buckets of at most ``_BUCKET_BYTES``, one flat buffer per dtype and device, reused per bucket.
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = list(tensors)
-        self.groups: list[tuple[torch.Tensor, list[list[int]]]] = []
-        for (dtype, device), indices in _by_kind(self.tensors).items():
-            sizes = [self.tensors[i].numel() for i in indices]
-            buckets = [[indices[j] for j in b] for b in _buckets(sizes, dtype.itemsize)]
-            largest = max(sum(self.tensors[i].numel() for i in b) for b in buckets)
-            self.groups.append((torch.empty(largest, dtype=dtype, device=device), buckets))
+    The buffers are allocated once, here, and kept with the plan: nothing is allocated when a
+    bucket runs. With ``vote_numel``, the first bucket belongs to a dtype that can carry a vote
+    (:data:`_BYTE_CARRIERS`) and ``vote_numel`` more elements follow it in its buffer: ``fused``
+    is the first bucket and that vote segment, reduced in one collective.
 
-    def run(self, collective: Any, scale: float | None = None) -> None:
-        """Copy each bucket into the flat buffer, apply ``collective`` to it, copy it back."""
-        for flat, buckets in self.groups:
-            for bucket in buckets:
-                views = []
-                offset = 0
-                for i in bucket:
-                    tensor = self.tensors[i]
-                    view = flat[offset : offset + tensor.numel()].view(tensor.shape)
-                    view.copy_(tensor)
-                    views.append(view)
-                    offset += tensor.numel()
-                used = flat[:offset]
-                if scale is not None and scale != 1.0:
-                    used.mul_(scale)
-                collective(used)
-                for i, view in zip(bucket, views, strict=True):
-                    self.tensors[i].copy_(view)
+    Args:
+        tensors: What the buckets will hold (the parameters, for their gradients; their
+            shapes, dtypes, devices and layouts).
+        vote_numel: Elements of the vote segment; 0: none.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], vote_numel: int = 0) -> None:
+        self.splittable = [_memory_order(t) is not None for t in tensors]
+        kinds = list(_by_kind(tensors).items())
+        carriers = [k for k, ((dtype, _), _) in enumerate(kinds) if dtype in _BYTE_CARRIERS]
+        if vote_numel and carriers:
+            kinds.insert(0, kinds.pop(carriers[0]))
+        self.buckets: list[_Bucket] = []
+        self.fused: torch.Tensor | None = None
+        self.vote: torch.Tensor | None = None
+        for kind, ((dtype, device), indices) in enumerate(kinds):
+            capacity = max(1, _BUCKET_BYTES // dtype.itemsize)
+            numels = [tensors[i].numel() for i in indices]
+            grouped = _segments(numels, [self.splittable[i] for i in indices], capacity)
+            if not grouped:
+                continue
+            sizes = [sum(stop - start for _, start, stop in bucket) for bucket in grouped]
+            extra = vote_numel if kind == 0 and carriers else 0
+            buffer = torch.empty(max(max(sizes), sizes[0] + extra), dtype=dtype, device=device)
+            if extra:
+                self.fused = buffer[: sizes[0] + extra]
+                self.vote = buffer[sizes[0] : sizes[0] + extra]
+            for bucket, size in zip(grouped, sizes, strict=True):
+                segments = [(indices[j], start, stop) for j, start, stop in bucket]
+                views, offset = [], 0
+                for i, start, stop in segments:
+                    view = buffer[offset : offset + stop - start]
+                    views.append(view if self.splittable[i] else view.view(tensors[i].shape))
+                    offset += stop - start
+                self.buckets.append(_Bucket(segments, views, buffer[:size]))
+
+    def bind(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per bucket, the parts of ``tensors`` (laid out as the plan's) that its segments copy.
+
+        Raises:
+            RuntimeError: a tensor that the plan splits is not one dense block (a gradient
+                assigned by hand with another layout than its parameter's).
+        """
+        flat: list[torch.Tensor] = []
+        for tensor, splittable in zip(tensors, self.splittable, strict=True):
+            ordered = _memory_order(tensor) if splittable else tensor
+            if ordered is None:
+                raise RuntimeError(
+                    f"ElasticStep: a gradient of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not "
+                    "one dense block, as its parameter is: give it its parameter's layout (torch.empty_like)"
+                )
+            flat.append(ordered)
+        return [
+            [flat[i][start:stop] if self.splittable[i] else flat[i] for i, start, stop in bucket.segments]
+            for bucket in self.buckets
+        ]
+
+    def fill(self, index: int, parts: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """Copy ``parts`` (bucket ``index``'s, from :meth:`bind`) into the flat buffer, times ``scale``."""
+        bucket = self.buckets[index]
+        torch._foreach_copy_(bucket.views, parts)
+        if scale != 1.0:
+            bucket.flat.mul_(scale)
+        return bucket.flat
+
+    def drain(self, index: int, parts: list[torch.Tensor], scale: float = 1.0) -> None:
+        """Copy bucket ``index``'s flat buffer, times ``scale``, back into ``parts``."""
+        bucket = self.buckets[index]
+        if scale != 1.0:
+            bucket.flat.mul_(scale)
+        torch._foreach_copy_(parts, bucket.views)
 
 
 class _DistributedDataParallel(_Agreeing):
-    """DDP: microbatches under ``no_sync``; one bucketed all-reduce after the vote."""
+    """DDP: microbatches under ``no_sync``; the vote in the first bucket's all-reduce, then the others.
+
+    The flat buffers of the gradient buckets are allocated at the first ``prepare`` and kept
+    (one bucket of at most 25 MiB per gradient dtype, plus the vote segment: 24 elements per
+    rank). Until every rank has confirmed in a separate vote that it holds them, votes are
+    separate ``all_gather``; from then on (the second step), a rank whose attempt failed can
+    still join the first bucket's all-reduce, with zeros, without allocating anything.
+    """
 
     def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
         super().__init__(model, model.process_group)
         self.ddp = model
-        self._plan: _FlatPlan | None = None
+        self._plan: _FlatPlan | None = None  # persistent, for the parameters of ``_plan_key``
+        self._plan_key: tuple[int, ...] = ()
+        # The parameters for which every rank confirmed a plan that fuses: then, and only then, the
+        # vote is fused. Changed only by a vote, so it is the same on every rank.
+        self._fused_key: tuple[int, ...] | None = None
+        self._reference = 1.0  # the last grand total: gradients are pre-scaled by total_r / reference
+        self._vote_staging: torch.Tensor | None = None  # this rank's vote as bytes, on the host, in the plan's dtype
+        self._parts: list[list[torch.Tensor]] | None = None  # this attempt's gradients, bound to the plan
+        self._bucket0_factor: float | None = None  # after a fused vote that fitted: bucket 0's factor still to apply
         self._buffer_plan: _FlatPlan | None = None
+        self._buffer_parts: list[list[torch.Tensor]] = []
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
@@ -285,29 +418,88 @@ class _DistributedDataParallel(_Agreeing):
         with self.ddp.no_sync():
             yield
 
-    def prepare(self) -> None:
-        params = [p for p in self.ddp.parameters() if p.requires_grad]
+    @torch.no_grad()
+    def prepare(self, params: Sequence[torch.Tensor]) -> None:
         # Every rank must reduce the same tensors: a parameter unused here may be used elsewhere.
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._plan = _FlatPlan([p.grad for p in params if p.grad is not None])
+        key = tuple(map(id, params))
+        if key != self._plan_key:
+            self._plan, self._plan_key, self._vote_staging = None, (), None  # free the old buffers first
+            plan = _FlatPlan(params, vote_numel=self.world_size * _VOTE_BYTES)
+            if plan.vote is not None:
+                self._vote_staging = torch.empty(_VOTE_BYTES, dtype=plan.vote.dtype)
+            self._plan, self._plan_key = plan, key
+        assert self._plan is not None
+        self._parts = self._plan.bind([p.grad for p in params if p.grad is not None])
         buffers = [b for b in self.ddp.module.buffers() if b.numel()] if self.ddp.broadcast_buffers else []
         self._buffer_plan = _FlatPlan(buffers) if buffers else None
+        self._buffer_parts = self._buffer_plan.bind(buffers) if self._buffer_plan is not None else []
+
+    def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        if params is None:
+            return super().vote(status, size, total)
+        key = tuple(map(id, params))
+        fused = key == self._fused_key
+        if fused:
+            rows = self._fused_vote(status, size, total)
+        else:
+            ready = key == self._plan_key and self._plan is not None and self._plan.fused is not None
+            rows = self._exchange((status, size, total, float(ready)))
+            self._fused_key = key if all(r[3] for r in rows) else None
+        verdict = _verdict(rows, total)
+        grand_total = math.fsum(r[2] for r in rows)
+        if fused and verdict.status == OK:  # bucket 0 holds sum_r(total_r * grad_r) / reference
+            self._bucket0_factor = self._reference / grand_total if grand_total else 0.0
+        if grand_total:
+            self._reference = grand_total
+        return verdict
+
+    def _fused_vote(self, status: int, size: int, total: float) -> list[list[float]]:
+        """All-reduce bucket 0, pre-scaled by ``total / reference``, and every rank's vote bytes in one collective.
+
+        A rank whose attempt failed sends zeros in place of its gradients. Nothing here
+        allocates on the device.
+        """
+        plan, staging = self._plan, self._vote_staging
+        assert plan is not None and plan.fused is not None and plan.vote is not None and staging is not None
+        if status == OK:
+            assert self._parts is not None
+            plan.fill(0, self._parts[0], total / self._reference)
+        else:
+            plan.buckets[0].flat.zero_()
+        staging.copy_(torch.frombuffer(bytearray(struct.pack("3d", status, size, total)), dtype=torch.uint8))
+        plan.vote.zero_()
+        plan.vote[self.rank * _VOTE_BYTES : (self.rank + 1) * _VOTE_BYTES].copy_(staging)
+        dist.all_reduce(plan.fused, group=self.group)
+        raw = bytes(round(v) for v in plan.vote.tolist())
+        values = struct.unpack(f"{self.world_size * _VOTE_VALUES}d", raw)
+        return [list(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES]) for r in range(self.world_size)]
 
     def discard(self) -> None:
-        self._plan = self._buffer_plan = None
+        self._parts, self._bucket0_factor = None, None
+        self._buffer_plan, self._buffer_parts = None, []
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
-        if self._plan is None:
-            self.prepare()
-        assert self._plan is not None
-        plan, buffer_plan = self._plan, self._buffer_plan
-        self._plan = self._buffer_plan = None
-        plan.run(lambda flat: dist.all_reduce(flat, group=self.group), scale)
+        if self._parts is None:
+            self.prepare(params)
+        plan, parts = self._plan, self._parts
+        assert plan is not None and parts is not None
+        first = 0
+        if self._bucket0_factor is not None:  # the fused vote reduced bucket 0 (pre-scaled by total_r / reference)
+            plan.drain(0, parts[0], self._bucket0_factor)
+            first = 1
+        for index in range(first, len(plan.buckets)):
+            dist.all_reduce(plan.fill(index, parts[index], scale), group=self.group)
+            plan.drain(index, parts[index])
+        buffer_plan, buffer_parts = self._buffer_plan, self._buffer_parts
+        self.discard()
         if buffer_plan is not None:
             source = dist.get_global_rank(self.ddp.process_group, 0)
-            buffer_plan.run(lambda flat: dist.broadcast(flat, src=source, group=self.group))
+            for index in range(len(buffer_plan.buckets)):
+                dist.broadcast(buffer_plan.fill(index, buffer_parts[index]), src=source, group=self.group)
+                buffer_plan.drain(index, buffer_parts[index])
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------
@@ -436,7 +628,7 @@ class _FullyShard(_Agreeing):
             fp.unsharded_accumulated_grad = None
 
     @torch.no_grad()
-    def prepare(self) -> None:
+    def prepare(self, params: Sequence[torch.Tensor]) -> None:
         world, rank = self.world_size, self.rank
         grads: list[_ShardedGrad] = []
         for fp in self._params:
@@ -492,7 +684,7 @@ class _FullyShard(_Agreeing):
         from torch.distributed.tensor import DTensor
 
         if self._grads is None:
-            self.prepare()
+            self.prepare(params)
         assert self._grads is not None
         world = self.world_size
         for dtype, entries, segment in self._buckets:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -187,8 +187,8 @@ class ElasticStep:
         try:
             while True:
                 count = self._count(batch, rows)
-                attempt = self._attempt(batch, count, loss_fn, count_fn, unwrap)
-                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total)
+                attempt = self._attempt(batch, params, count, loss_fn, count_fn, unwrap)
+                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params)
                 if verdict.status == OK:
                     break
                 for t in tensors:
@@ -392,7 +392,13 @@ class ElasticStep:
         return norm
 
     def _attempt(
-        self, batch: ElasticBatch, count: int, loss_fn: LossFn, count_fn: CountFn | None, unwrap: bool = True
+        self,
+        batch: ElasticBatch,
+        params: Sequence[torch.Tensor],
+        count: int,
+        loss_fn: LossFn,
+        count_fn: CountFn | None,
+        unwrap: bool = True,
     ) -> _Attempt:
         microbatches = list(batch.microbatches(count, balance=self.controller.unit))
         size = batch.load(self.controller.unit).size_at(count)  # the largest microbatch's rows (or tokens)
@@ -423,7 +429,7 @@ class ElasticStep:
                     if mb.weight == 0.0:
                         continue  # nothing to count in it: its loss would be 0/0
                     losses.append(self._run(mb, loss_fn, unwrap))
-            self.sync.prepare()  # what the gradient reduction allocates, allocated before the vote
+            self.sync.prepare(params)  # what the gradient reduction allocates, allocated before the vote
         except Exception as err:
             status = OOM if is_oom_error(err) else ERROR
             return _Attempt(status, size, total, started, error=err)

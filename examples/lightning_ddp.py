@@ -41,12 +41,13 @@ def main(quick: bool = False) -> dict[str, Any]:
     rank = int(os.environ.get("LOCAL_RANK", 0))  # set by Lightning in the process it starts
 
     # rank 1: a device that holds a step on a quarter of its batch, not on the whole batch (DDP
-    # keeps its gradient buckets on top: counted in the margin); rank 0: no limit
+    # keeps its gradient buckets, and ElasticStep its reduction bucket, on top: each a gradient's
+    # worth of this small model, counted in the margin); rank 0: no limit
     limit = None
     if rank == 1:
         small, whole = step_peak_bytes(train, batch_size // 4), step_peak_bytes(train, batch_size)
         parameters = sum(p.numel() * p.element_size() for p in Classifier().parameters())
-        limit = (small + whole) // 2 + parameters
+        limit = (small + whole) // 2 + 2 * parameters
 
     ddp = {"strategy": "ddp", "devices": 2}
     reference = Classifier()

@@ -8,6 +8,7 @@ computed on each rank in float32; weights must match it within ``RTOL``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from _distributed_harness import RankFailure, RankPool
 from torch import nn
 
 import elastic_batches as eb
+from elastic_batches import distributed
 from elastic_batches.testing import MemoryBudget, inject_oom, inject_oom_in_optimizer
 
 RTOL = 1e-5
@@ -276,8 +278,9 @@ def test_batch_norm_with_broadcast_buffers_matches_plain_ddp(ranks: RankPool) ->
         assert result["weight_error"] <= RTOL
 
 
-def test_batch_norm_with_an_oom_on_one_rank(ranks: RankPool) -> None:
-    results = ranks.run(_batch_norm, [("forward", "model", [1], 1)], timeout=60)
+@pytest.mark.parametrize("call", [1, 3], ids=["first-step", "second-step-last-microbatch"])
+def test_batch_norm_with_an_oom_on_one_rank(ranks: RankPool, call: int) -> None:
+    results = ranks.run(_batch_norm, [("forward", "model", [call], 1)], timeout=60)
     assert results[0]["count"] == results[1]["count"] > 2
     assert all(r["buffers_agree"] for r in results)
     for result in results:
@@ -347,10 +350,13 @@ def test_clipping_matches_clip_grad_norm_on_the_full_batch(ranks: RankPool, kind
 # -- errors that are not OOMs -------------------------------------------------------------------
 
 
-def _error_on_one_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
+def _error_on_one_rank(rank: int, world: int, kind: str, warm_up: bool) -> dict[str, Any]:
     model = _distribute(kind, _plain_model())
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
     loss_fn = _loss_fn(model)
+    if warm_up:  # under DDP, the votes after a first step ride in the first bucket
+        step.backward(_batch(2, rank, 12), loss_fn)
+        model.zero_grad(set_to_none=True)
     calls = [0]
 
     def failing(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -377,9 +383,10 @@ def _reference_grads(rows: list[int], step: int) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+@pytest.mark.parametrize("warm_up", [False, True], ids=["first-step", "second-step"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_error_on_one_rank_raises_on_every_rank(ranks: RankPool, kind: str) -> None:
-    results = ranks.run(_error_on_one_rank, kind, timeout=60)
+def test_an_error_on_one_rank_raises_on_every_rank(ranks: RankPool, kind: str, warm_up: bool) -> None:
+    results = ranks.run(_error_on_one_rank, kind, warm_up, timeout=60)
     assert results[1]["type"] == "KeyError" and "bad sample on rank 1" in results[1]["message"]
     assert results[0]["type"] == "RuntimeError" and "rank(s) [1] raised an error" in results[0]["message"]
     for result in results:
@@ -478,6 +485,271 @@ def test_evaluate_with_an_oom_on_one_rank(ranks: RankPool, kind: str) -> None:
     results = ranks.run(_evaluate, kind, timeout=60)
     assert results[0]["count"] == results[1]["count"] > 2
     assert all(r["error"] <= RTOL for r in results)
+
+
+# -- DDP: the vote inside the first bucket's all-reduce ---------------------------------------------
+
+_COUNTED = ("all_reduce", "all_gather_into_tensor", "all_gather", "broadcast")
+
+
+@contextlib.contextmanager
+def _counting_collectives() -> Iterator[dict[str, int]]:
+    """Count the calls of ``torch.distributed``'s collectives (the library looks them up at each call)."""
+    counts = dict.fromkeys(_COUNTED, 0)
+    originals = {name: getattr(dist, name) for name in _COUNTED}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in _COUNTED:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+@contextlib.contextmanager
+def _bucket_bytes(nbytes: int | None) -> Iterator[None]:
+    """Smaller gradient buckets (``None``: the default), so that tensors are cut between several buckets."""
+    saved = distributed._BUCKET_BYTES
+    distributed._BUCKET_BYTES = saved if nbytes is None else nbytes
+    try:
+        yield
+    finally:
+        distributed._BUCKET_BYTES = saved
+
+
+def _fused(rank: int, world: int, plan: list[Any], rows: list[int], bucket_bytes: int | None = None) -> dict[str, Any]:
+    """3 DDP steps of split 3; the collectives each step started, the weights' error and the controller."""
+    with _bucket_bytes(bucket_bytes):
+        model = _distribute("ddp", _plain_model())
+        controller = eb.SplitController(split_count=3)
+        step = eb.ElasticStep(model, controller=controller)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        handles = _injections(model, plan)
+        per_step = []
+        for i in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            with _counting_collectives() as counts:
+                step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
+            optimizer.step()
+            per_step.append(counts)
+        fired = [h.fired for h in handles]
+        for h in handles:
+            h.remove()
+        assert isinstance(step.sync, distributed._DistributedDataParallel)
+        sync_plan = step.sync._plan
+        assert sync_plan is not None
+    return {
+        "error": _relative_error(_full(model.parameters()), _reference(rows, 3)),
+        "per_step": per_step,
+        "buckets": len(sync_plan.buckets),
+        "fired": fired,
+        "counts": [controller.split_count],
+        "state": controller.state_dict(),
+    }
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 512], ids=["one-bucket", "four-buckets"])
+def test_ddp_fuses_the_vote_into_the_first_bucket_from_the_second_step(
+    ranks: RankPool, bucket_bytes: int | None
+) -> None:
+    results = ranks.run(_fused, [], [12, 7], bucket_bytes, timeout=60)
+    for result in results:
+        assert result["error"] <= RTOL
+        buckets = result["buckets"]
+        assert buckets == (1 if bucket_bytes is None else 4)  # 401 float32 gradients, 128 to a bucket of 512 bytes
+        first, *steady = result["per_step"]
+        assert first == {"all_reduce": buckets, "all_gather_into_tensor": 1, "all_gather": 0, "broadcast": 0}
+        for counts in steady:  # the vote rides in the first bucket: no collective of its own
+            assert counts == {"all_reduce": buckets, "all_gather_into_tensor": 0, "all_gather": 0, "broadcast": 0}
+
+
+FUSED_OOM_PLANS = {
+    # step 1 (the first fused one) runs forward calls 3, 4, 5
+    "forward-last-rank1": [("forward", "model", [5], 1)],
+    "backward-last-rank0": [("backward", "first", [5], 0)],
+    "backward-first-rank1": [("backward", "first", [3], 1)],
+    "both-ranks-same-attempt": [("forward", "model", [4], 0), ("backward", "first", [5], 1)],
+}
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 512], ids=["one-bucket", "four-buckets"])
+@pytest.mark.parametrize("plan", list(FUSED_OOM_PLANS.values()), ids=list(FUSED_OOM_PLANS))
+def test_ddp_a_rank_that_failed_joins_the_fused_all_reduce(
+    ranks: RankPool, plan: list[Any], bucket_bytes: int | None
+) -> None:
+    results = ranks.run(_fused, plan, [12, 12], bucket_bytes, timeout=60)
+    assert [sum(r["fired"]) for r in results] == [sum(1 for p in plan if p[3] == rank) for rank in range(2)]
+    assert results[0]["counts"] == results[1]["counts"] and results[0]["counts"][0] > 3
+    assert _learned(results[0]["state"]) == _learned(results[1]["state"])
+    for result in results:
+        assert result["error"] <= RTOL
+        failed = result["per_step"][1]
+        # two fused attempts (the failed one: the first bucket only) and one small collective after the OOM
+        assert failed["all_gather_into_tensor"] == 1
+        assert failed["all_reduce"] == 1 + result["buckets"]
+
+
+def _first_plan_fails(rank: int, world: int) -> dict[str, Any]:
+    """The persistent buffers cannot be allocated on rank 1 at the first attempt: the votes stay separate."""
+    original = distributed._FlatPlan
+    calls = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 1:
+            raise torch.OutOfMemoryError("simulated: no room for the reduction buffers")
+        return original(*args, **kwargs)
+
+    distributed._FlatPlan = failing  # type: ignore[assignment,misc]
+    try:
+        return _fused(rank, world, [], [12, 12])
+    finally:
+        distributed._FlatPlan = original  # type: ignore[misc]
+
+
+def test_ddp_an_oom_allocating_the_persistent_buffers_keeps_the_vote_separate(ranks: RankPool) -> None:
+    results = ranks.run(_first_plan_fails, timeout=60)
+    for result in results:
+        assert result["error"] <= RTOL
+        first, *steady = result["per_step"]
+        # vote (rank 1 not ready), agree after its OOM, vote of the retry (now every rank ready)
+        assert first["all_gather_into_tensor"] == 3
+        assert all(counts["all_gather_into_tensor"] == 0 for counts in steady)
+    assert results[0]["counts"] == results[1]["counts"] and results[0]["counts"][0] > 3
+
+
+def _tokens(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of 8 sequences of up to 5 tokens; a different number of counted tokens per rank and step."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, 5, 6, generator=generator)
+    y = x[..., :1].sin()
+    lengths = torch.randint(1, 6, (8,), generator=generator)
+    mask = (torch.arange(5) < lengths[:, None]).float()
+    return x, y, mask
+
+
+def _token_loss(model: nn.Module) -> Any:
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y, mask = mb
+        return ((model(x) - y).squeeze(-1).pow(2) * mask).sum() / mask.sum()
+
+    return loss_fn
+
+
+def _token_weighted(rank: int, world: int, oom_rank: int | None) -> dict[str, Any]:
+    model = _distribute("ddp", _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    reference = _plain_model()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    tokens = []
+    with inject_oom(_inner(model), phase="forward", calls=[5], rank=oom_rank if oom_rank is not None else 99):
+        for i in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            batch = _tokens(i, rank)
+            step.backward(batch, _token_loss(model), count_fn=lambda mb: mb[2].sum())
+            optimizer.step()
+            union = [torch.cat(parts) for parts in zip(*(_tokens(i, r) for r in range(world)), strict=True)]
+            reference_optimizer.zero_grad()
+            _token_loss(reference)(tuple(union)).backward()
+            reference_optimizer.step()
+            tokens.append(float(batch[2].sum()))
+    return {"error": _relative_error(_full(model.parameters()), _full(reference.parameters())), "tokens": tokens}
+
+
+@pytest.mark.parametrize("oom_rank", [None, 1], ids=["fits", "oom-on-rank1-in-a-fused-step"])
+def test_ddp_fused_vote_is_exact_with_count_fn_weights(ranks: RankPool, oom_rank: int | None) -> None:
+    results = ranks.run(_token_weighted, oom_rank, timeout=60)
+    totals = [a + b for a, b in zip(results[0]["tokens"], results[1]["tokens"], strict=True)]
+    assert len(set(totals)) == 3, "the global token count changes from step to step"
+    assert results[0]["tokens"] != results[1]["tokens"]
+    for result in results:
+        assert result["error"] <= RTOL
+
+
+def _freeze_later(rank: int, world: int) -> dict[str, Any]:
+    """The first layer is frozen on every rank before step 2: its gradients are left out, a new plan is agreed."""
+    model = _distribute("ddp", _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    reference = _plain_model()
+    per_step, errors = [], []
+    for i in range(4):
+        if i == 2:
+            for layer in (_inner(model)[0], reference[0]):
+                layer.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        with _counting_collectives() as counts:
+            step.backward(_batch(i, rank, 12), _loss_fn(model))
+        per_step.append(counts["all_gather_into_tensor"])
+        x, y = (torch.cat(parts) for parts in zip(*(_batch(i, r, 12) for r in range(world)), strict=True))
+        _loss_fn(reference)((x, y)).backward()
+        got = [p.grad for p in model.parameters() if p.grad is not None]
+        want = [p.grad for p in reference.parameters() if p.grad is not None]
+        errors.append(_relative_error(torch.cat([g.reshape(-1) for g in got]), _full(iter(want))))
+    return {"votes": per_step, "error": max(errors), "frozen_grad": _inner(model)[0].weight.grad is None}
+
+
+def test_ddp_a_changed_set_of_trained_parameters_votes_apart_once(ranks: RankPool) -> None:
+    for result in ranks.run(_freeze_later, timeout=60):
+        assert result["votes"] == [1, 0, 1, 0]
+        assert result["error"] <= RTOL
+        assert result["frozen_grad"]
+
+
+def _vote_in(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
+    """A fused vote in a bucket of ``dtype``, with sizes and totals that float32 could not hold."""
+    dtype = getattr(torch, dtype_name)
+    model = _distribute("ddp", _plain_model().to(dtype))
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    x, y = _batch(0, rank, 8)
+    step.backward((x.to(dtype), y.to(dtype)), _loss_fn(model))  # agrees on the persistent buffers
+    params = [p for p in model.parameters() if p.requires_grad]
+    sync = step.sync
+    sync.prepare(params)
+    status = eb.distributed.OK if rank == 0 else eb.distributed.OOM
+    with _counting_collectives() as counts:
+        verdict = sync.vote(status, 2**40 + 3 - rank, 1e15 / 3 + rank, params)
+    sync.discard()
+    return {"verdict": tuple(verdict), "counts": counts}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_ddp_fused_vote_is_exact_in_any_gradient_dtype(ranks: RankPool, dtype: str) -> None:
+    results = ranks.run(_vote_in, dtype, timeout=60)
+    grand_total = math.fsum([1e15 / 3, 1e15 / 3 + 1])
+    for rank, result in enumerate(results):
+        assert result["counts"]["all_gather_into_tensor"] == 0 and result["counts"]["all_reduce"] == 1
+        want = (eb.distributed.OOM, 2**40 + 2, 2**40 + 2, (1e15 / 3 + rank) / grand_total, ())
+        assert result["verdict"] == want
+
+
+def test_buckets_cut_dense_tensors_and_keep_others_whole() -> None:
+    conv = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)  # dense, not contiguous
+    strided = torch.randn(6, 4)[:, ::2]  # not dense: goes whole
+    tensors = [torch.randn(5), conv, strided, torch.randn(0), torch.randn(7)]
+    with _bucket_bytes(4 * 8):  # 8 float32 per bucket
+        plan = distributed._FlatPlan(tensors, vote_numel=3)
+    assert plan.splittable == [True, True, False, True, True]
+    # 5 + 3 of the 48 of conv, 5 x 8 of conv, the last 5 of conv, strided whole (12 > the 3 left), 7
+    assert [len(b.flat) for b in plan.buckets] == [8, 8, 8, 8, 8, 8, 5, 12, 7]
+    assert plan.fused is not None and plan.vote is not None and len(plan.fused) == 8 + 3
+    parts = plan.bind(tensors)
+    expected = [t.clone() for t in tensors]
+    for index in range(len(plan.buckets)):
+        plan.fill(index, parts[index], 2.0)
+        plan.drain(index, parts[index], 1.5)
+    for got, want in zip(tensors, expected, strict=True):
+        torch.testing.assert_close(got, 3.0 * want)
+    assert conv.is_contiguous(memory_format=torch.channels_last)
 
 
 # -- the harness itself ------------------------------------------------------------------------
