@@ -347,6 +347,38 @@ def test_clipping_matches_clip_grad_norm_on_the_full_batch(ranks: RankPool, kind
         assert result["error"] <= RTOL
 
 
+def _inf_on_one_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
+    model = _distribute(kind, _plain_model())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2), grad_scaler=scaler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    before = _full(model.parameters()).clone()
+    x, y = _batch(0, rank, 8)
+    if rank == 1 and kind == "ddp":
+        x[0, 0] = float("inf")  # rank 1's backward overflows; the all-reduce carries it to every rank
+    step.backward((x, y), _loss_fn(model))
+    if rank == 1 and kind == "fsdp":  # an overflow that lands in rank 1's shard of the gradient only
+        grad = next(p.grad for p in model.parameters() if p.grad is not None)
+        grad.to_local().view(-1)[0] = float("inf")
+    step.optimizer_step(optimizer)
+    skipped = bool(torch.equal(_full(model.parameters()), before))
+    optimizer.zero_grad()
+    step.backward(_batch(1, rank, 8), _loss_fn(model))
+    step.optimizer_step(optimizer)
+    stepped = not torch.equal(_full(model.parameters()), before)
+    return {"skipped": skipped, "scale": scaler.get_scale(), "stepped": stepped}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks: RankPool, kind: str) -> None:
+    """GradScaler: an inf in one rank's backward (DDP) or gradient shard (FSDP2) skips the step everywhere.
+
+    Both ranks then halve the scale, and the next step goes through on both.
+    """
+    for result in ranks.run(_inf_on_one_rank, kind, timeout=60):
+        assert result == {"skipped": True, "scale": 512.0, "stepped": True}
+
+
 # -- errors that are not OOMs -------------------------------------------------------------------
 
 
