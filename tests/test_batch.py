@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from tensordict import TensorDict
 
 import elastic_batches as eb
 from elastic_batches.batch import split_sizes
-from elastic_batches.structures import to_tensordict
+from elastic_batches.structures import flatten, to_tensordict
 
 
 @pytest.mark.parametrize(
@@ -117,3 +118,54 @@ def test_constructor_rejects_data_that_is_not_a_batched_tensordict(data: Any) ->
     _, spec = to_tensordict(torch.zeros(3))
     with pytest.raises(TypeError, match=r"ElasticBatch expects a TensorDict with batch_size=\[B\] as data, got"):
         eb.ElasticBatch(data, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deferred batches (what the loader yields without workers) and flat fields
+
+
+def test_a_deferred_batch_counts_rows_from_its_first_tensor_and_is_taken_apart_on_first_cut() -> None:
+    x, names = torch.arange(10.0).view(5, 2), list("abcde")
+    source = {"x": x, "names": names}
+    batch = eb.ElasticBatch.deferred(source, split_count=2)
+    assert len(batch) == 5 and batch.split_count == 2
+    assert batch.unwrap() is source  # what the plain DataLoader yielded, not a rebuilt copy
+    (whole,) = batch.microbatches(1)
+    assert whole.unwrap() is source and whole.weight == 1.0
+    pieces = [mb.unwrap() for mb in batch.microbatches()]
+    assert [p["names"] for p in pieces] == [["a", "b", "c"], ["d", "e"]]
+    assert torch.equal(torch.cat([p["x"] for p in pieces]), x)
+    assert sorted(batch.fields) == ["names", "x"] and batch.data.batch_size == torch.Size([5])
+
+
+def test_a_deferred_batch_that_cannot_be_split_raises_at_first_use_with_the_usual_message() -> None:
+    batch = eb.ElasticBatch.deferred({"x": torch.zeros(4, 1), "y": torch.zeros(3)})
+    assert len(batch) == 4  # read from the first tensor; the disagreement shows when the batch is taken apart
+    with pytest.raises(ValueError, match=r"batch fields disagree on the batch size .*'x' \(4\), 'y' \(3\)"):
+        next(batch.microbatches(2))
+    with pytest.raises(TypeError, match=r"cannot split a batch of type object: register it"):
+        len(eb.ElasticBatch.deferred(object()))
+
+
+def test_data_shares_the_fields_tensors() -> None:
+    batch = eb.ElasticBatch.wrap({"x": torch.zeros(4, 2), "names": list("abcd")})
+    batch.data["x"].add_(1.0)  # in place: the microbatches see it
+    assert [mb.unwrap()["x"].sum().item() for mb in batch.microbatches(2)] == [4.0, 4.0]
+    assert batch.data.get("names").tolist() == list("abcd")
+
+
+def test_from_fields_checks_the_rows_and_reweighted_keeps_the_rows() -> None:
+    fields, spec, _ = flatten((torch.zeros(6, 2), list("abcdef")))
+    batch = eb.ElasticBatch.from_fields(fields, spec, split_count=3)
+    mb = next(batch.microbatches())
+    assert mb.unwrap()[1] == ["a", "b"] and mb.reweighted(0.5).weight == 0.5
+    assert mb.reweighted(0.5).unwrap()[1] == ["a", "b"]
+    with pytest.raises(ValueError, match=r"ElasticBatch.from_fields: fields must all have the same rows"):
+        eb.ElasticBatch.from_fields({"a": torch.zeros(2), "b": torch.zeros(3)}, spec)
+
+
+def test_pickling_keeps_fields_spec_tag_and_drops_the_source() -> None:
+    batch = eb.ElasticBatch.deferred((torch.arange(4), ["w", "x", "y", "z"]), split_count=2)
+    restored = pickle.loads(pickle.dumps(batch))
+    assert restored.split_count == 2 and len(restored) == 4
+    assert [mb.unwrap()[1] for mb in restored.microbatches()] == [["w", "x"], ["y", "z"]]
