@@ -26,8 +26,9 @@ collectives an ElasticStep starts per DDP step are counted ("collectives/step": 
 and all-gathers, steady state). The DDP baseline's sync is estimated as the extra time of its last
 (synchronising) microbatch over the others. For FSDP2 the row "fsdp2 kept" gives the second
 baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over
-rounds that alternate which side runs first, each step bracketed by a barrier and timed as the
-slower rank's. The machine may be shared: rerun before trusting a ratio near the target.
+rounds that alternate which side runs first, each round (10 steps of the small model, one of
+the medium one) bracketed by a barrier and timed as the slower rank's, reported per step. The
+machine may be shared: rerun before trusting a ratio near the target.
 
 Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds).
 Prints a table, then one JSON line per model and scheme.
@@ -60,6 +61,9 @@ MODELS = {
     "mlp-small": (64, 128, 2, 64),  # little arithmetic: the protocol's fixed costs show
     "mlp-medium": (256, 1024, 3, 256),  # ~2.4 M parameters: gradient sync matters
 }
+# Steps timed together in one round: a single 3 ms step of two ranks sharing two cores is at the
+# scheduler's mercy (its time is bimodal), ten in a row much less so.
+STEPS_PER_ROUND = {"mlp-small": 10, "mlp-medium": 1}
 
 
 def _model(features: int, width: int, layers: int) -> nn.Sequential:
@@ -192,6 +196,14 @@ def _measure(rank: int, variants: dict[str, Callable[[], None]]) -> dict[str, li
     return times
 
 
+def _repeated(fn: Callable[[], None], steps: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(steps):
+            fn()
+
+    return run
+
+
 def _vote_alone(sync: Any, params: list[torch.Tensor] | None, calls: int = 50) -> float:
     """Seconds per vote when the ranks arrive together: its own latency, without waiting for a slower rank.
 
@@ -232,21 +244,23 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
     for name in MODELS:
         for kind in ("ddp", "fsdp2"):
             variants, probes = _variants(kind, name, rank, mesh)
+            steps = STEPS_PER_ROUND[name]
             timed = probes["timed"]
             timed.totals.update(vote=0.0, sync=0.0)
-            times = _measure(rank, variants)
+            times = _measure(rank, {variant: _repeated(fn, steps) for variant, fn in variants.items()})
             in_steps = dict(timed.totals)  # before the probes below call the timed methods again
             ddp = kind == "ddp"
             vote_alone = _vote_alone(probes["sync"], probes["params"] if ddp else None)
             all_gather_vote = _vote_alone(probes["sync"], None)
-            calls = ROUNDS + 1  # the warm-up ran once too
-            plain = statistics.median(times["plain"])
-            elastic = statistics.median(times["elastic"])
+            calls = (ROUNDS + 1) * steps  # the warm-up ran once too
+            plain = statistics.median(times["plain"]) / steps
+            elastic = statistics.median(times["elastic"]) / steps
             record = {
                 "benchmark": "distributed_overhead",
                 "model": name,
                 "scheme": kind,
                 "split": SPLIT,
+                "steps_per_round": steps,
                 "plain_ms": 1e3 * plain,
                 "elastic_ms": 1e3 * elastic,
                 "ratio": statistics.median(e / p for e, p in zip(times["elastic"], times["plain"], strict=True)),
@@ -263,7 +277,7 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 record["all_gathers_per_step"] = collectives["all_gather_into_tensor"]
             else:
                 kept = times["kept"]
-                record["kept_ms"] = 1e3 * statistics.median(kept)
+                record["kept_ms"] = 1e3 * statistics.median(kept) / steps
                 record["ratio_to_kept"] = statistics.median(e / k for e, k in zip(times["elastic"], kept, strict=True))
             records.append(record)
     if rank == 0:
