@@ -2,10 +2,9 @@
 
 Both loaders read the same dataset with the same arguments; the elastic one additionally wraps
 each collated batch in an ``ElasticBatch`` and tags it with the split count in the main process.
-With workers, the batch is taken apart into row-splittable fields in the worker; without, that
-waits for the step's first cut of the batch (a batch run whole is never taken apart). The
-``elastic, taken apart`` column iterates the elastic loader and takes every batch apart in the
-loop, the cost a 0-worker run pays when every batch is split. Two realistic per-sample datasets:
+The batch is taken apart into row-splittable fields at the step's first cut (a batch run whole
+never is). The ``elastic, taken apart`` column iterates the elastic loader and takes every batch
+apart in the loop, the cost a run pays when every batch is split. Two realistic per-sample datasets:
 
 * ``text``: a dict per sample (``input_ids`` and ``attention_mask`` of 128 tokens cut from a
   token stream at a random offset, an int label), as a tokenised-text dataset returns;

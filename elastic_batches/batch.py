@@ -3,9 +3,9 @@
 A batch holds its *fields* (:data:`elastic_batches.structures.Fields`: a flat ``dict`` of tensors
 and per-sample lists, all with the batch's rows first) and the spec that rebuilds the user's
 structure around them. Microbatches slice the fields directly; the ``TensorDict`` that ``.data``
-shows is built only when it is read. A batch collated in the loader's main process keeps the
-user's object as it is and is taken apart on first use, so that iterating the loader costs
-next to nothing over the loader it wraps.
+shows is built only when it is read. A batch from the loader keeps the user's object as it is
+(it crosses from a worker as the plain loader's batch would) and is taken apart on first use,
+so that iterating the loader costs next to nothing over the loader it wraps.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ElasticBatch", "Microbatch", "split_sizes"]
 
-_NO_SOURCE: Any = object()  # the user's object is not kept (taken apart in a worker, moved, or padded)
+_NO_SOURCE: Any = object()  # the user's object is not kept (a batch moved, padded or built from fields)
 
 
 def _moved(fields: Fields, move: Any) -> Fields:
@@ -276,16 +276,16 @@ class ElasticBatch:
         return f"ElasticBatch(rows={len(self)}, split_count={self.split_count}, fields={sorted(self.fields)})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "fields": self.fields,
-            "spec": self.spec,
-            "rows": len(self),
-            "split_count": self.split_count,
-            "padding": self.padding,
-        }
+        state = {"split_count": self.split_count, "padding": self.padding}
+        if self._fields is None:  # not taken apart yet: it travels as the user's object (from a worker)
+            return {**state, "source": self._source}
+        return {**state, "fields": self._fields, "spec": self._spec, "rows": len(self)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._set(state["fields"], state["spec"], state["rows"], state["split_count"], state["padding"], _NO_SOURCE)
+        if "source" in state:
+            self._set(None, None, None, state["split_count"], state["padding"], state["source"])
+        else:
+            self._set(state["fields"], state["spec"], state["rows"], state["split_count"], state["padding"], _NO_SOURCE)
 
     def unwrap(self) -> Any:
         """The whole batch in the user's own structure."""

@@ -1,10 +1,10 @@
 """The elastic collate: runs in DataLoader workers and turns each batch into an ``ElasticBatch``.
 
 It calls the user's ``collate_fn`` (or torch's default collate, extended with the functions
-given to :func:`register_collate`) and, in a worker, takes the result apart with the batch-type
-registry; in the main process (``num_workers=0``) that waits for the batch's first use
-(:meth:`ElasticBatch.deferred`). With
-``pad_values`` it first pads the variable-length fields (see :mod:`elastic_batches.padding`). It
+given to :func:`register_collate`) and wraps the result in a deferred :class:`ElasticBatch`:
+it crosses from a worker to the main process as the plain loader's batch would, and is taken
+apart with the batch-type registry when the step first cuts it. With ``pad_values`` it first
+pads the variable-length fields (see :mod:`elastic_batches.padding`). It
 pickles both registries along, so that registrations made in ``__main__`` apply in workers
 started with ``spawn`` (registrations whose functions cannot be pickled, such as lambdas, stay
 behind: use module-level functions with ``spawn``).
@@ -16,7 +16,6 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate, default_collate_fn_map, default_convert
 
 from elastic_batches.batch import ElasticBatch
@@ -163,9 +162,7 @@ class ElasticCollate:
                 sort_by_length=self.sort_by_length,
                 buckets=self.shape_buckets,
             )
-        if get_worker_info() is None:  # the main process: taken apart on first use, if ever
-            return ElasticBatch.deferred(self._collate(samples))
-        return ElasticBatch.wrap(self._collate(samples))  # a worker: taken apart in parallel with the step
+        return ElasticBatch.deferred(self._collate(samples))  # taken apart on first use, if ever
 
     def __getstate__(self) -> dict[str, Any]:
         return {

@@ -150,11 +150,12 @@ class MicrobatchingDataLoader(StatefulDataLoader):
     DataLoader arguments. It *is* a ``StatefulDataLoader``: ``len()``, workers, samplers,
     Lightning's ``DistributedSampler`` injection and mid-epoch ``state_dict()`` work as usual.
 
-    Each batch is collated as the plain loader would (the same ``collate_fn``), taken apart into
-    row-splittable fields in the worker (without workers: when the step first cuts it, so that a
-    batch that is never cut costs nothing; the first batch of each epoch is checked at once), and
-    tagged in the main process, when it is yielded, with the count its :class:`SplitController`
-    holds for its size.
+    Each batch is collated as the plain loader would (the same ``collate_fn``), crosses from the
+    worker as the plain loader's batch would, and is tagged in the main process, when it is
+    yielded, with the count its :class:`SplitController` holds for its size. It is taken apart
+    into row-splittable fields when the step first cuts it (a batch that runs whole never is);
+    the first batch of each epoch is taken apart at once, so that a structure that cannot be
+    split fails before training.
 
     Args:
         dataset: A dataset, or a ``DataLoader`` / ``StatefulDataLoader`` to wrap.
