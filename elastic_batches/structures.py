@@ -437,10 +437,7 @@ def to_tensordict(batch: Any) -> tuple[TensorDict, BatchSpec]:
         ``(fields, spec)``: a ``TensorDict`` with ``batch_size=[B]`` and a :class:`BatchSpec`.
 
     Raises:
-        TypeError: a value of a type that cannot be split; the message names the type and
-            ``register_batch_type``.
-        ValueError: the batch has no field with a batch dimension, or fields disagree on the
-            batch size (the message names each field and its size).
+        TypeError, ValueError: as :func:`flatten`.
 
     Example:
         >>> import torch
