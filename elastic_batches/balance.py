@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from itertools import accumulate
 
-__all__ = ["BatchLoad", "split_sizes"]
+__all__ = ["BatchLoad", "rows_within", "split_sizes"]
 
 
 def split_sizes(batch_size: int, split_count: int) -> list[int]:
@@ -38,6 +38,17 @@ def split_sizes(batch_size: int, split_count: int) -> list[int]:
     """
     base, extra = divmod(batch_size, split_count)
     return [base + 1] * extra + [base] * (split_count - extra)
+
+
+def rows_within(rows: int, capacity: int) -> int:
+    """The fewest pieces of at most ``capacity`` rows that ``rows`` rows cut into (at most ``rows``).
+
+    Example:
+        >>> from elastic_batches.balance import rows_within
+        >>> rows_within(10, 4), rows_within(10, 0)
+        (3, 10)
+    """
+    return min(rows, -(-rows // max(1, capacity)))
 
 
 class BatchLoad:
@@ -99,7 +110,7 @@ class BatchLoad:
         """
         capacity = max(1, int(capacity))
         if self.lengths is None:
-            return min(self.rows, math.ceil(self.rows / capacity))
+            return rows_within(self.rows, capacity)
         if capacity < max(self.lengths):
             return self.rows
         if self._descending:  # a piece's first row is its longest

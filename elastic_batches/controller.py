@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from elastic_batches._state import check_state_dict
-from elastic_batches.balance import BatchLoad
+from elastic_batches.balance import BatchLoad, rows_within
 
 __all__ = ["ElasticOOMError", "SplitController"]
 
@@ -198,6 +198,11 @@ class SplitController:
             >>> controller.count_for(10)
             3
         """
+        capacity = self._capacity()
+        if type(rows) is int and self.unit == "rows":  # every batch the loader yields: no BatchLoad to build
+            _positive_int("rows", rows)
+            count = self._start_split_count if capacity is None else rows_within(rows, capacity)
+            return self._clamp(rows, count)
         load = self._load(rows)
         return self._clamp(load.rows, self._settled_count(load))
 
@@ -223,12 +228,17 @@ class SplitController:
                 count = settled  # no count of this batch falls strictly between fits and fails
         return self._clamp(load.rows, max(count, 1))
 
-    def _settled_count(self, load: BatchLoad) -> int:
+    def _capacity(self) -> int | None:
+        """The microbatch size a settled count keeps to: the largest that fitted, else half the smallest that failed."""
         if self._fits:
-            return load.count_within(self._fits)
+            return self._fits
         if self._fails is not None:
-            return load.count_within(max(1, (self._fails + 1) // 2))
-        return self._start_split_count
+            return max(1, (self._fails + 1) // 2)
+        return None
+
+    def _settled_count(self, load: BatchLoad) -> int:
+        capacity = self._capacity()
+        return self._start_split_count if capacity is None else load.count_within(capacity)
 
     def _clamp(self, rows: int, count: int) -> int:
         count = min(count, rows, max(1, rows // self.min_microbatch_size))

@@ -274,7 +274,8 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             if not checked:  # a batch structure that cannot be split fails here, not at the first OOM
                 batch.fields  # noqa: B018 - takes a deferred batch apart
                 checked = True
-            batch.split_count = controller.count_for(batch.load(controller.unit))
+            unit = controller.unit
+            batch.split_count = controller.count_for(len(batch) if unit == "rows" else batch.load(unit))
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
