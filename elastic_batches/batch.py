@@ -135,6 +135,8 @@ class ElasticBatch:
         <class 'tuple'>
     """
 
+    __slots__ = ("_data", "_fields", "_loads", "_rows", "_source", "_spec", "_split_count", "padding")
+
     _data: TensorDictBase | None
 
     def __init__(
