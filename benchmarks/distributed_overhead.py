@@ -163,12 +163,12 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
         finish(model)
 
     step = eb.ElasticStep(elastic, controller=eb.SplitController(split_count=SPLIT))
-    batch = eb.ElasticBatch.wrap((x, y), split_count=SPLIT)  # what MicrobatchingDataLoader yields
     timed = _Timed(step.sync)
     probes["timed"], probes["sync"] = timed, step.sync
     probes["params"] = [p for p in elastic.parameters() if p.requires_grad]
 
     def run_elastic() -> None:
+        batch = eb.ElasticBatch.deferred((x, y), split_count=SPLIT)  # what MicrobatchingDataLoader yields
         step.backward(batch, lambda mb: loss(elastic(mb[0]), mb[1]))
         finish(elastic)
 

@@ -7,10 +7,11 @@ that nothing dilutes the overhead). The hand-written loop is what a careful user
     for x_i, y_i in zip(x.tensor_split(4), y.tensor_split(4)):
         (loss_fn(model(x_i), y_i) * len(x_i) / len(x)).backward()
 
-``ElasticStep`` receives what ``MicrobatchingDataLoader`` yields (an ``ElasticBatch``, taken apart in
-the loader's workers), and does its own bookkeeping on top: set existing gradients aside, cut the
-batch's fields into microbatches and rebuild the user's structure for each, check the
-loss, vote (a no-op in one process), put the gradients back and report to the controller.
+``ElasticStep`` receives what ``MicrobatchingDataLoader`` yields (an ``ElasticBatch`` that holds
+the collated batch as it is: a new one every step), and does its own bookkeeping on top: set
+existing gradients aside, take the batch apart and cut its fields into microbatches, rebuild the
+user's structure for each, check the loss, vote (a no-op in one process), put the gradients
+back and report to the controller.
 
 Models: the demo's tiny transformer LM (64 sequences of 32 tokens), a small MLP classifier
 (batch 256 of 512 features) and a tiny MLP (batch 64 of 32 features: the worst case, where the
@@ -86,7 +87,6 @@ def main() -> None:
     records = []
     for name, (model, batch, loss_fn) in cases.items():
         rows = _rows(batch)
-        elastic_batch = ElasticBatch.wrap(batch)  # what MicrobatchingDataLoader yields
         step = ElasticStep(model, controller=SplitController(split_count=SPLIT))
 
         def by_hand(model: nn.Module = model, batch: Any = batch, loss_fn: Any = loss_fn, rows: int = rows) -> None:
@@ -95,11 +95,10 @@ def main() -> None:
                     (loss_fn(model, piece) * (_rows(piece) / rows)).backward()
                 model.zero_grad(set_to_none=True)
 
-        def elastic(
-            model: nn.Module = model, batch: ElasticBatch = elastic_batch, loss_fn: Any = loss_fn, step: Any = step
-        ) -> None:
+        def elastic(model: nn.Module = model, batch: Any = batch, loss_fn: Any = loss_fn, step: Any = step) -> None:
             for _ in range(STEPS_PER_ROUND):
-                step.backward(batch, lambda mb: loss_fn(model, mb))
+                loaded = ElasticBatch.deferred(batch)  # what MicrobatchingDataLoader yields, new every step
+                step.backward(loaded, lambda mb: loss_fn(model, mb))
                 model.zero_grad(set_to_none=True)
 
         times = interleaved({"by hand": by_hand, "elastic": elastic}, ROUNDS)
