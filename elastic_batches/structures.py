@@ -333,6 +333,44 @@ def _empty_copy(mapping: Mapping[Any, Any]) -> Any:
     )
 
 
+_TENSORS_SPECS: dict[tuple[type, tuple[str, ...]], BatchSpec] = {}  # by container type and field keys
+
+
+def _flatten_tensors(batch: Any) -> tuple[Fields, BatchSpec, int] | None:
+    """What default collate yields most: a dict (``str`` keys) or a tuple or list of batched tensors.
+
+    The fields and spec :func:`flatten`'s general walk would build, without the walk (specs are
+    kept per container type and keys); ``None`` for anything else, or fields that disagree.
+    """
+    kind = type(batch)
+    if kind is dict:
+        keys = tuple(batch)
+        if not all(type(key) is str for key in keys):
+            return None
+        values = tuple(batch.values())
+    elif (kind is tuple or kind is list) and batch:
+        values = tuple(batch)
+        keys = tuple(str(index) for index in range(len(values)))
+    else:
+        return None
+    if not all(type(value) is torch.Tensor and value.dim() for value in values) or _registration_for(kind):
+        return None
+    rows = values[0].shape[0]
+    if any(value.shape[0] != rows for value in values):
+        return None  # the general walk names the fields that disagree
+    spec = _TENSORS_SPECS.get((kind, keys))
+    if spec is None:
+        children = tuple(_Field(key) for key in keys)
+        if kind is dict:
+            spec = BatchSpec(_Map(None, keys, children))
+        else:
+            spec = BatchSpec(_Sequence(_rebuild_tuple if kind is tuple else _rebuild_list, children))
+        if len(_TENSORS_SPECS) >= 256:
+            _TENSORS_SPECS.clear()
+        _TENSORS_SPECS[(kind, keys)] = spec
+    return dict(zip(keys, values, strict=True)), spec, int(rows)
+
+
 def flatten(batch: Any) -> tuple[Fields, BatchSpec, int]:
     """Take a batch apart into flat fields, the spec that rebuilds it, and its rows.
 
@@ -351,6 +389,9 @@ def flatten(batch: Any) -> tuple[Fields, BatchSpec, int]:
         >>> rebuild(slice_fields(fields, 1, 3), spec)["text"]
         ['b', 'c']
     """
+    flat = _flatten_tensors(batch)
+    if flat is not None:
+        return flat
     flattener = _Flattener()
     root = flattener.visit(batch, ())
     sizes = flattener.sizes

@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, tensorclass
 
 import elastic_batches as eb
+from elastic_batches import structures
 from elastic_batches.batch import split_sizes
 from elastic_batches.structures import from_tensordict, to_tensordict
 
@@ -383,3 +384,35 @@ def test_unregistered_type_in_another_process_is_named() -> None:
         TypeError, match=r"batch type Opaque is not registered in this process: call .*register_batch_type"
     ):
         from_tensordict(fields, spec)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        {"ids": torch.zeros(4, 3), "label": torch.arange(4)},
+        (torch.zeros(4, 3), torch.arange(4)),
+        [torch.zeros(4, 3), torch.arange(4)],
+        {"x": torch.zeros(4), "lr": torch.tensor(0.5)},  # a 0-d tensor: the general walk
+        {1: torch.zeros(4), "1": torch.ones(4)},  # keys that are not all str: the general walk
+    ],
+    ids=["dict", "tuple", "list", "scalar-tensor", "int-key"],
+)
+def test_tensor_batches_take_the_short_way_to_the_same_fields_and_spec(batch: Any) -> None:
+    short = not isinstance(batch, dict) or all(
+        type(v) is torch.Tensor and v.dim() and type(k) is str for k, v in batch.items()
+    )
+    assert (structures._flatten_tensors(batch) is not None) == short
+    fields, spec, rows = structures.flatten(batch)
+    walk = structures._Flattener()
+    root = walk.visit(batch, ())
+    assert list(fields) == list(walk.fields) and all(fields[k] is walk.fields[k] for k in fields)
+    assert spec == structures.BatchSpec(root) and rows == 4
+    rebuilt = structures.rebuild(structures.slice_fields(fields, 1, 3), spec)
+    assert type(rebuilt) is type(batch)
+
+
+def test_tensor_batches_whose_rows_disagree_are_named_as_always() -> None:
+    with pytest.raises(ValueError, match=r"disagree on the batch size .*'ids' \(4\), 'label' \(3\)"):
+        structures.flatten({"ids": torch.zeros(4, 3), "label": torch.arange(3)})
+    with pytest.raises(ValueError, match=r"disagree on the batch size .*'0' \(4\), '1' \(3\)"):
+        structures.flatten((torch.zeros(4, 3), torch.arange(3)))
