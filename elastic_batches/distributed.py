@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_batches.oom import is_oom_error
+
 __all__ = ["ERROR", "OK", "OOM", "GradientSync", "Outcome", "Verdict", "gradient_sync_for"]
 
 OK, OOM, ERROR = 0, 1, 2
@@ -130,6 +132,14 @@ class GradientSync:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+
+    def check_gather(self) -> Outcome:
+        """Before an attempt: every rank learns whether every rank can hold what the attempt gathers first.
+
+        Splitting cannot shrink it (FSDP2: the unsharded parameters), so a rank that cannot must
+        not start gathering while its peers wait. Nothing to gather here: ``OK``, no communication.
+        """
+        return Outcome(OK, (), (), ())
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
@@ -595,6 +605,31 @@ class _FullyShard(_Agreeing):
                     )
                 )
         return saved
+
+    def check_gather(self) -> Outcome:
+        """Reserve, for a moment, what unsharding every module takes; then agree on who could.
+
+        The unsharded parameters (in their all-gather dtype) plus one group's all-gather buffer.
+        Freed at once: the caching allocator then serves the all-gathers from that memory.
+        """
+        self.root._get_fsdp_state()._lazy_init()  # settles the all-gather dtypes (mixed precision)
+        status = OK
+        try:
+            torch.empty(self._gather_bytes(), dtype=torch.uint8, device=self._params[0].sharded_param.to_local().device)
+        except Exception as err:  # noqa: BLE001 - any failure is told to the peers, which must not wait for it
+            status = OOM if is_oom_error(err) else ERROR
+        return self.agree(status)
+
+    def _gather_bytes(self) -> int:
+        total, largest = 0, 0
+        for module in self.modules:
+            for group in _param_groups(module):
+                nbytes = self.world_size * sum(
+                    fp.padded_sharded_param_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize
+                    for fp in group.fsdp_params
+                )
+                total, largest = total + nbytes, max(largest, nbytes)
+        return total + largest
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:

@@ -186,6 +186,7 @@ class ElasticStep:
         merged = False
         try:
             while True:
+                self._check_gather("backward")
                 count = self._count(batch, rows)
                 attempt = self._attempt(batch, params, count, loss_fn, count_fn, unwrap)
                 verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params)
@@ -253,6 +254,7 @@ class ElasticStep:
         if rows == 0:
             raise ValueError("ElasticStep.evaluate: the batch is empty (0 rows); skip empty batches before the call")
         while True:
+            self._check_gather("evaluate")
             count = self._count(batch, rows)
             microbatches = list(batch.microbatches(count, balance=self.controller.unit))
             status, error, outputs, started = OK, None, [], 0
@@ -295,6 +297,17 @@ class ElasticStep:
         except ElasticOOMError as err:
             final = err
         _stop_together(self.sync, final, error)
+
+    def _check_gather(self, where: str) -> None:
+        """Raise on every rank when some rank cannot hold what an attempt gathers before its microbatches."""
+        outcome = self.sync.check_gather()
+        if outcome.status != OK:
+            ranks = sorted(outcome.oom_ranks + outcome.error_ranks)
+            raise ElasticOOMError(
+                f"ElasticStep.{where}: rank(s) {ranks} cannot hold the model's gathered (unsharded) parameters "
+                "that every microbatch needs; splitting the batch cannot help, so every rank raises this error "
+                "instead of waiting. Free memory, use mixed precision for the parameters, or more ranks"
+            )
 
     def _count(self, batch: ElasticBatch, rows: int) -> int:
         """The count for the next attempt: the controller's plan, unless the batch's tag asks for more.

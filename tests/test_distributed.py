@@ -232,6 +232,31 @@ def test_a_limit_reached_on_one_rank_stops_every_rank(ranks: RankPool, kind: str
     assert results[1]["raised"] is not None and "rank(s) [0] ran out of memory" in results[1]["raised"]
 
 
+def _parameters_do_not_fit(rank: int, world: int, stage: str) -> dict[str, Any]:
+    """FSDP2: rank 1 cannot hold the unsharded parameters, which every microbatch needs."""
+    model = _distribute("fsdp", _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController())
+    batch = _batch(0, rank, 8)
+    with MemoryBudget(256 if rank == 1 else 1 << 30):
+        try:
+            if stage == "backward":
+                step.backward(batch, _loss_fn(model))
+            else:
+                with torch.no_grad():
+                    step.evaluate(batch[0], model)
+        except eb.ElasticOOMError as err:
+            return {"raised": str(err), "retries": step.controller.state_dict()["retry_count"]}
+    return {"raised": None}
+
+
+@pytest.mark.parametrize("stage", ["backward", "evaluate"])
+def test_fsdp2_parameters_that_do_not_fit_on_one_rank_raise_on_every_rank(ranks: RankPool, stage: str) -> None:
+    """Unsharding is checked before any rank starts to all-gather: no rank is left waiting in it."""
+    for result in ranks.run(_parameters_do_not_fit, stage, timeout=60):
+        assert result["raised"] is not None and "rank(s) [1] cannot hold the model's gathered" in result["raised"]
+        assert result["retries"] == 0  # splitting cannot help: nothing was retried
+
+
 # -- BatchNorm with DDP's buffer broadcast ------------------------------------------------------
 
 
