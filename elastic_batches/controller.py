@@ -257,7 +257,8 @@ class SplitController:
             rows: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
         """
         load = self._load(rows)
-        before = self.split_count
+        logged = logger.isEnabledFor(logging.INFO)  # the count before and after is only for the log line
+        before = self.split_count if logged else 0
         if self._grow_pending and size > self._fits and self.grow_after is not None:
             self._grow_wait = self.grow_after  # a growth probe succeeded: probe at the base rate again
         self._fits = max(self._fits, size)
@@ -270,7 +271,7 @@ class SplitController:
         if self._grow_wait is not None and self._steps_since_oom >= self._grow_wait and self.count_for(load) > 1:
             self._grow_pending = True
             self._steps_since_oom = 0
-        after = self.split_count
+        after = self.split_count if logged else 0
         if after != before:
             logger.info(
                 "microbatch size %d fits: now %d microbatches of at most %d for a batch of %d",
