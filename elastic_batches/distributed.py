@@ -612,9 +612,9 @@ class _FullyShard(_Agreeing):
         The unsharded parameters (in their all-gather dtype) plus one group's all-gather buffer.
         Freed at once: the caching allocator then serves the all-gathers from that memory.
         """
-        self.root._get_fsdp_state()._lazy_init()  # settles the all-gather dtypes (mixed precision)
         status = OK
         try:
+            self.root._get_fsdp_state()._lazy_init()  # settles the all-gather dtypes (mixed precision)
             torch.empty(self._gather_bytes(), dtype=torch.uint8, device=self._params[0].sharded_param.to_local().device)
         except Exception as err:  # noqa: BLE001 - any failure is told to the peers, which must not wait for it
             status = OOM if is_oom_error(err) else ERROR

@@ -207,21 +207,25 @@ def test_oom_with_different_batch_sizes(ranks: RankPool, kind: str) -> None:
     assert [results[0]["state"][k] for k in shared] == [results[1]["state"][k] for k in shared]
 
 
+def _final_oom(step: eb.ElasticStep, model: nn.Module, batch: Any, stage: str) -> dict[str, Any]:
+    """Run ``stage`` (``backward`` or ``evaluate``) on ``batch``; the final OOM's message, and the retries."""
+    try:
+        if stage == "backward":
+            step.backward(batch, _loss_fn(model))
+        else:
+            with torch.no_grad():
+                step.evaluate(batch[0], model)
+    except eb.ElasticOOMError as err:
+        return {"raised": str(err), "retries": step.controller.retry_count}
+    return {"raised": None}
+
+
 def _limit_reached(rank: int, world: int, kind: str, stage: str) -> dict[str, Any]:
     """Rank 0 (12 rows) reaches max_split_count=4 at microbatch size 3 while rank 1 (7 rows) would go on."""
     model = _distribute(kind, _plain_model())
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3, max_split_count=4))
-    batch = _batch(0, rank, [12, 7][rank])
     with inject_oom(_inner(model), phase="forward", calls=[0, 3], rank=0):
-        try:
-            if stage == "backward":
-                step.backward(batch, _loss_fn(model))
-            else:
-                with torch.no_grad():
-                    step.evaluate(batch[0], model)
-        except eb.ElasticOOMError as err:
-            return {"raised": str(err)}
-    return {"raised": None}
+        return _final_oom(step, model, _batch(0, rank, [12, 7][rank]), stage)
 
 
 @pytest.mark.parametrize("stage", ["backward", "evaluate"])
@@ -238,15 +242,7 @@ def _parameters_do_not_fit(rank: int, world: int, stage: str) -> dict[str, Any]:
     step = eb.ElasticStep(model, controller=eb.SplitController())
     batch = _batch(0, rank, 8)
     with MemoryBudget(256 if rank == 1 else 1 << 30):
-        try:
-            if stage == "backward":
-                step.backward(batch, _loss_fn(model))
-            else:
-                with torch.no_grad():
-                    step.evaluate(batch[0], model)
-        except eb.ElasticOOMError as err:
-            return {"raised": str(err), "retries": step.controller.state_dict()["retry_count"]}
-    return {"raised": None}
+        return _final_oom(step, model, batch, stage)
 
 
 @pytest.mark.parametrize("stage", ["backward", "evaluate"])
