@@ -203,8 +203,8 @@ class ElasticBatch:
     def deferred(cls, batch: Any, split_count: int = 1) -> ElasticBatch:
         """Wrap a batch without taking it apart yet: that happens on first use, raising what :meth:`wrap` raises.
 
-        What the loader yields from its main process: a batch that is never split (or moved)
-        is never taken apart.
+        What the loader yields (from its workers too: the batch crosses the queue as the plain
+        loader's would): a batch that is never split (or moved) is never taken apart.
 
         Example:
             >>> import torch
