@@ -510,11 +510,11 @@ def from_tensordict(fields: TensorDictBase, spec: BatchSpec) -> Any:
         >>> from_tensordict(fields[:2], spec)
         [tensor([0, 1]), tensor([ 0, 10])]
     """
-    return _build(spec.root, fields)
+    return rebuild(fields, spec)
 
 
-def rebuild(fields: Fields, spec: BatchSpec) -> Any:
-    """Rebuild the user's structure around flat ``fields`` (from :func:`flatten`, or a row slice of them)."""
+def rebuild(fields: Fields | TensorDictBase, spec: BatchSpec) -> Any:
+    """The user's structure around ``fields`` (from :func:`flatten` or :func:`to_tensordict`, or rows of them)."""
     return _build(spec.root, fields)
 
 
