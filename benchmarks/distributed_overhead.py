@@ -89,7 +89,7 @@ class _Timed:
 
     def __init__(self, sync: Any) -> None:
         self.totals = {"vote": 0.0, "sync": 0.0}
-        self.calls = {"all_reduce": 0, "all_gather_into_tensor": 0}
+        self.calls = {"all_reduce": 0, eb.distributed._ALL_GATHER: 0}
         for name, bucket in (("vote", "vote"), ("prepare", "sync"), ("reduce", "sync")):
             setattr(sync, name, self._timed(getattr(sync, name), bucket))
 
@@ -274,7 +274,7 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 record["plain_sync_ms"] = 1e3 * statistics.median(probes["last_extra"])
                 collectives = _collectives_per_step(variants["elastic"], timed)
                 record["all_reduces_per_step"] = collectives["all_reduce"]
-                record["all_gathers_per_step"] = collectives["all_gather_into_tensor"]
+                record["all_gathers_per_step"] = collectives[eb.distributed._ALL_GATHER]
             else:
                 kept = times["kept"]
                 record["kept_ms"] = 1e3 * statistics.median(kept) / steps

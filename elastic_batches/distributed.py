@@ -50,6 +50,9 @@ _VOTE_VALUES = 3  # status, size, total: the vote of an attempt
 # gradient element: exact in any of these dtypes, and exact in a sum where the other ranks add 0.
 _VOTE_BYTES = 8 * _VOTE_VALUES
 _BYTE_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The vote's all-gather: torch 2.13 renamed all_gather_into_tensor (the old name warns); looked up
+# at each call, so that a test can count the calls.
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 class Verdict(NamedTuple):
@@ -84,6 +87,9 @@ class Outcome(NamedTuple):
     oom_ranks: tuple[int, ...]
     error_ranks: tuple[int, ...]
     sums: tuple[float, ...]
+
+
+_ALL_OK = Outcome(OK, (), (), ())
 
 
 def _verdict(rows: Sequence[Sequence[float]], total: float) -> Verdict:
@@ -139,12 +145,11 @@ class GradientSync:
         Splitting cannot shrink it (FSDP2: the unsharded parameters), so a rank that cannot must
         not start gathering while its peers wait. Nothing to gather here: ``OK``, no communication.
         """
-        return Outcome(OK, (), (), ())
+        return _ALL_OK
 
-    @contextlib.contextmanager
-    def microbatches(self) -> Iterator[None]:
+    def microbatches(self) -> contextlib.AbstractContextManager[None]:
         """The context every microbatch of an attempt runs in: no collective may start inside."""
-        yield
+        return contextlib.nullcontext()
 
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         """Allocate what :meth:`reduce` needs, before the vote: an OOM here is the attempt's OOM.
@@ -226,7 +231,7 @@ class _Agreeing(GradientSync):
         staging[: len(values)] = values
         if self._mine is not self._staging:
             self._mine.copy_(self._staging)
-        dist.all_gather_into_tensor(self._gathered, self._mine, group=self.group)
+        getattr(dist, _ALL_GATHER)(self._gathered, self._mine, group=self.group)
         return self._gathered.view(self.world_size, _VOTE_WIDTH).tolist()
 
     def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:

@@ -542,7 +542,8 @@ def test_evaluate_with_an_oom_on_one_rank(ranks: RankPool, kind: str) -> None:
 
 # -- DDP: the vote inside the first bucket's all-reduce ---------------------------------------------
 
-_COUNTED = ("all_reduce", "all_gather_into_tensor", "all_gather", "broadcast")
+GATHER = distributed._ALL_GATHER  # the vote's all-gather
+_COUNTED = ("all_reduce", GATHER, "all_gather", "broadcast")
 
 
 @contextlib.contextmanager
@@ -619,9 +620,9 @@ def test_ddp_fuses_the_vote_into_the_first_bucket_from_the_second_step(
         buckets = result["buckets"]
         assert buckets == (1 if bucket_bytes is None else 4)  # 401 float32 gradients, 128 to a bucket of 512 bytes
         first, *steady = result["per_step"]
-        assert first == {"all_reduce": buckets, "all_gather_into_tensor": 1, "all_gather": 0, "broadcast": 0}
+        assert first == {"all_reduce": buckets, GATHER: 1, "all_gather": 0, "broadcast": 0}
         for counts in steady:  # the vote rides in the first bucket: no collective of its own
-            assert counts == {"all_reduce": buckets, "all_gather_into_tensor": 0, "all_gather": 0, "broadcast": 0}
+            assert counts == {"all_reduce": buckets, GATHER: 0, "all_gather": 0, "broadcast": 0}
 
 
 FUSED_OOM_PLANS = {
@@ -646,7 +647,7 @@ def test_ddp_a_rank_that_failed_joins_the_fused_all_reduce(
         assert result["error"] <= RTOL
         failed = result["per_step"][1]
         # two fused attempts (the failed one: the first bucket only) and one small collective after the OOM
-        assert failed["all_gather_into_tensor"] == 1
+        assert failed[GATHER] == 1
         assert failed["all_reduce"] == 1 + result["buckets"]
 
 
@@ -674,8 +675,8 @@ def test_ddp_an_oom_allocating_the_persistent_buffers_keeps_the_vote_separate(ra
         assert result["error"] <= RTOL
         first, *steady = result["per_step"]
         # vote (rank 1 not ready), agree after its OOM, vote of the retry (now every rank ready)
-        assert first["all_gather_into_tensor"] == 3
-        assert all(counts["all_gather_into_tensor"] == 0 for counts in steady)
+        assert first[GATHER] == 3
+        assert all(counts[GATHER] == 0 for counts in steady)
     assert results[0]["counts"] == results[1]["counts"] and results[0]["counts"][0] > 3
 
 
@@ -742,7 +743,7 @@ def _freeze_later(rank: int, world: int) -> dict[str, Any]:
         reference.zero_grad(set_to_none=True)
         with _counting_collectives() as counts:
             step.backward(_batch(i, rank, 12), _loss_fn(model))
-        per_step.append(counts["all_gather_into_tensor"])
+        per_step.append(counts[GATHER])
         x, y = (torch.cat(parts) for parts in zip(*(_batch(i, r, 12) for r in range(world)), strict=True))
         _loss_fn(reference)((x, y)).backward()
         got = [p.grad for p in model.parameters() if p.grad is not None]
@@ -780,7 +781,7 @@ def test_ddp_fused_vote_is_exact_in_any_gradient_dtype(ranks: RankPool, dtype: s
     results = ranks.run(_vote_in, dtype, timeout=60)
     grand_total = math.fsum([1e15 / 3, 1e15 / 3 + 1])
     for rank, result in enumerate(results):
-        assert result["counts"]["all_gather_into_tensor"] == 0 and result["counts"]["all_reduce"] == 1
+        assert result["counts"][GATHER] == 0 and result["counts"]["all_reduce"] == 1
         want = (eb.distributed.OOM, 2**40 + 2, 2**40 + 2, (1e15 / 3 + rank) / grand_total, ())
         assert result["verdict"] == want
 
