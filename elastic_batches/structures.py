@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import itertools
 import numbers
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -438,7 +438,7 @@ def slice_fields(fields: Fields, start: int, stop: int) -> Fields:
 
 
 def split_fields(fields: Fields, sizes: list[int]) -> list[Fields]:
-    """The fields cut into consecutive pieces of ``sizes`` rows (a tensor in one ``split`` call).
+    """The fields cut into consecutive pieces of ``sizes`` rows (a tensor in one ``split_with_sizes`` call).
 
     Example:
         >>> import torch
@@ -447,13 +447,16 @@ def split_fields(fields: Fields, sizes: list[int]) -> list[Fields]:
         >>> [(p["x"].tolist(), p["names"]) for p in pieces]
         [([0, 1, 2], ['a', 'b', 'c']), ([3, 4], ['d', 'e'])]
     """
-    stops = list(itertools.accumulate(sizes))
-    starts = [0, *stops[:-1]]
-    bounds = list(zip(starts, stops, strict=True))
-    columns = [
-        (key, value.split(sizes) if type(value) is torch.Tensor else [value[a:b] for a, b in bounds])
-        for key, value in fields.items()
-    ]
+    columns: list[tuple[str, Sequence[Any]]] = []
+    bounds: list[tuple[int, int]] | None = None
+    for key, value in fields.items():
+        if type(value) is torch.Tensor:
+            columns.append((key, value.split_with_sizes(sizes)))  # not .split: its Python wrapper costs as much
+            continue
+        if bounds is None:  # per-sample lists and nested TensorDicts are sliced
+            stops = list(itertools.accumulate(sizes))
+            bounds = list(zip([0, *stops[:-1]], stops, strict=True))
+        columns.append((key, [value[a:b] for a, b in bounds]))
     return [{key: pieces[i] for key, pieces in columns} for i in range(len(sizes))]
 
 
