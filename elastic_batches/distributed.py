@@ -314,7 +314,7 @@ class _Bucket:
     """Segments of tensors reduced together in one collective, through views of a persistent flat buffer."""
 
     segments: list[tuple[int, int, int]]  # (tensor index, start, stop) over the tensor's elements in memory order
-    views: list[torch.Tensor]  # per segment, where it lies in the flat buffer (shaped as the tensor if unsplit)
+    views: list[torch.Tensor]  # per segment, where it lies in the flat buffer (shaped as the tensor if whole)
     flat: torch.Tensor  # the used part of the flat buffer: the concatenated segments
 
 
@@ -334,6 +334,7 @@ class _FlatPlan:
 
     def __init__(self, tensors: Sequence[torch.Tensor], vote_numel: int = 0) -> None:
         self.splittable = [_memory_order(t) is not None for t in tensors]
+        self.cut: set[int] = set()  # tensors split between buckets: copied through their memory-order views
         kinds = list(_by_kind(tensors).items())
         carriers = [k for k, ((dtype, _), _) in enumerate(kinds) if dtype in _BYTE_CARRIERS]
         if vote_numel and carriers:
@@ -358,28 +359,36 @@ class _FlatPlan:
                 views, offset = [], 0
                 for i, start, stop in segments:
                     view = buffer[offset : offset + stop - start]
-                    views.append(view if self.splittable[i] else view.view(tensors[i].shape))
+                    if start == 0 and stop == tensors[i].numel():
+                        view = view.view(tensors[i].shape)  # a whole tensor: copied as it is, whatever its layout
+                    else:
+                        self.cut.add(i)
+                    views.append(view)
                     offset += stop - start
                 self.buckets.append(_Bucket(segments, views, buffer[:size]))
 
     def bind(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Per bucket, the parts of ``tensors`` (laid out as the plan's) that its segments copy.
+        """Per bucket, the parts of ``tensors`` (shaped as the plan's) that its segments copy.
+
+        A tensor that lies whole in one bucket is its own part; one split between buckets is cut
+        from its elements in memory order.
 
         Raises:
             RuntimeError: a tensor that the plan splits is not one dense block (a gradient
                 assigned by hand with another layout than its parameter's).
         """
-        flat: list[torch.Tensor] = []
-        for tensor, splittable in zip(tensors, self.splittable, strict=True):
-            ordered = _memory_order(tensor) if splittable else tensor
-            if ordered is None:
+        ordered: dict[int, torch.Tensor] = {}
+        for i in self.cut:
+            view = _memory_order(tensors[i])
+            if view is None:
+                tensor = tensors[i]
                 raise RuntimeError(
                     f"ElasticStep: a gradient of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not "
                     "one dense block, as its parameter is: give it its parameter's layout (torch.empty_like)"
                 )
-            flat.append(ordered)
+            ordered[i] = view
         return [
-            [flat[i][start:stop] if self.splittable[i] else flat[i] for i, start, stop in bucket.segments]
+            [ordered[i][start:stop] if i in ordered else tensors[i] for i, start, stop in bucket.segments]
             for bucket in self.buckets
         ]
 
@@ -406,12 +415,17 @@ class _DistributedDataParallel(_Agreeing):
     (one bucket of at most 25 MiB per gradient dtype, plus the vote segment: 24 elements per
     rank). Until every rank has confirmed in a separate vote that it holds them, votes are
     separate ``all_gather``; from then on (the second step), a rank whose attempt failed can
-    still join the first bucket's all-reduce, with zeros, without allocating anything.
+    still join the first bucket's all-reduce, with zeros, without allocating anything. With
+    ``broadcast_buffers`` (DDP's default), a flat copy of the module's buffers is kept too, for
+    their broadcast after the vote.
     """
 
     def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
         super().__init__(model, model.process_group)
         self.ddp = model
+        # Parameters DDP leaves out of its gradient sync (``_set_params_and_buffers_to_ignore_for_model``).
+        ignored = model.parameters_to_ignore
+        self._ignored = {id(p) for name, p in model.module.named_parameters() if name in ignored}
         self._plan: _FlatPlan | None = None  # persistent, for the parameters of ``_plan_key``
         self._plan_key: tuple[int, ...] = ()
         # The parameters for which every rank confirmed a plan that fuses: then, and only then, the
@@ -421,8 +435,9 @@ class _DistributedDataParallel(_Agreeing):
         self._vote_staging: torch.Tensor | None = None  # this rank's vote as bytes, on the host, in the plan's dtype
         self._parts: list[list[torch.Tensor]] | None = None  # this attempt's gradients, bound to the plan
         self._bucket0_factor: float | None = None  # after a fused vote that fitted: bucket 0's factor still to apply
-        self._buffer_plan: _FlatPlan | None = None
-        self._buffer_parts: list[list[torch.Tensor]] = []
+        self._buffer_plan: _FlatPlan | None = None  # persistent, for the buffers of ``_buffer_key``
+        self._buffer_key: tuple[int, ...] = ()
+        self._buffer_parts: list[list[torch.Tensor]] = []  # this attempt's buffers, bound to the plan
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
@@ -433,8 +448,13 @@ class _DistributedDataParallel(_Agreeing):
         with self.ddp.no_sync():
             yield
 
+    def _synced(self, params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The parameters whose gradients DDP synchronises: all but those it was told to ignore."""
+        return [p for p in params if id(p) not in self._ignored] if self._ignored else params
+
     @torch.no_grad()
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
+        params = self._synced(params)
         # Every rank must reduce the same tensors: a parameter unused here may be used elsewhere.
         for p in params:
             if p.grad is None:
@@ -448,14 +468,24 @@ class _DistributedDataParallel(_Agreeing):
             self._plan, self._plan_key = plan, key
         assert self._plan is not None
         self._parts = self._plan.bind([p.grad for p in params if p.grad is not None])
-        buffers = [b for b in self.ddp.module.buffers() if b.numel()] if self.ddp.broadcast_buffers else []
-        self._buffer_plan = _FlatPlan(buffers) if buffers else None
+        buffers = self._synced_buffers()
+        key = tuple(map(id, buffers))
+        if key != self._buffer_key:
+            self._buffer_plan, self._buffer_key = None, ()  # free the old copy first
+            self._buffer_plan, self._buffer_key = (_FlatPlan(buffers) if buffers else None), key
         self._buffer_parts = self._buffer_plan.bind(buffers) if self._buffer_plan is not None else []
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        """The buffers DDP broadcasts from rank 0 at a forward, listed anew each time as DDP does (reassignable)."""
+        if not self.ddp.broadcast_buffers:
+            return []
+        ignored = self.ddp.parameters_to_ignore
+        return [b for name, b in self.ddp.module.named_buffers() if b.numel() and name not in ignored]
 
     def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
         if params is None:
             return super().vote(status, size, total)
-        key = tuple(map(id, params))
+        key = tuple(map(id, self._synced(params)))
         fused = key == self._fused_key
         if fused:
             rows = self._fused_vote(status, size, total)
@@ -493,8 +523,7 @@ class _DistributedDataParallel(_Agreeing):
         return [list(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES]) for r in range(self.world_size)]
 
     def discard(self) -> None:
-        self._parts, self._bucket0_factor = None, None
-        self._buffer_plan, self._buffer_parts = None, []
+        self._parts, self._bucket0_factor, self._buffer_parts = None, None, []
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         if self._parts is None:
@@ -510,7 +539,7 @@ class _DistributedDataParallel(_Agreeing):
             plan.drain(index, parts[index])
         buffer_plan, buffer_parts = self._buffer_plan, self._buffer_parts
         self.discard()
-        if buffer_plan is not None:
+        if buffer_plan is not None and buffer_parts:
             source = dist.get_global_rank(self.ddp.process_group, 0)
             for index in range(len(buffer_plan.buckets)):
                 dist.broadcast(buffer_plan.fill(index, buffer_parts[index]), src=source, group=self.group)

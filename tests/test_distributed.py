@@ -256,10 +256,19 @@ def test_fsdp2_parameters_that_do_not_fit_on_one_rank_raise_on_every_rank(ranks:
 # -- BatchNorm with DDP's buffer broadcast ------------------------------------------------------
 
 
-def _batch_norm(rank: int, world: int, plan: list[Any]) -> dict[str, Any]:
-    """ElasticStep against plain DDP with a hand-written accumulation at the same split."""
-    elastic = _distribute("ddp", _plain_model(batch_norm=True), broadcast_buffers=True)
-    plain = _distribute("ddp", _plain_model(batch_norm=True), broadcast_buffers=True)
+_IGNORED = ["0.weight", "2.running_mean"]  # a parameter and a buffer, by their names in the module
+
+
+def _batch_norm(rank: int, world: int, plan: list[Any], ignore: bool = False) -> dict[str, Any]:
+    """ElasticStep against plain DDP with a hand-written accumulation at the same split (buffers broadcast).
+
+    With ``ignore``, DDP is told to leave one parameter and one buffer out of its synchronisation.
+    """
+    modules = [_plain_model(batch_norm=True) for _ in range(2)]
+    if ignore:
+        for module in modules:
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _IGNORED)
+    elastic, plain = (_distribute("ddp", module) for module in modules)  # DDP broadcasts buffers by default
     controller = eb.SplitController(split_count=2)
     step = eb.ElasticStep(elastic, controller=controller)
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (elastic, plain)]
@@ -283,20 +292,35 @@ def _batch_norm(rank: int, world: int, plan: list[Any]) -> dict[str, Any]:
     buffers = [torch.cat([b.double().reshape(-1) for b in m.module.buffers()]) for m in (elastic, plain)]
     gathered = [torch.empty_like(buffers[0]) for _ in range(world)]
     dist.all_gather(gathered, buffers[0])
+    ignored = dict(elastic.module.named_parameters())["0.weight"].detach().clone()
+    ignored_everywhere = [torch.empty_like(ignored) for _ in range(world)]
+    dist.all_gather(ignored_everywhere, ignored)
+    means = [dict(m.module.named_buffers())["2.running_mean"] for m in (elastic, plain)]
     return {
         "weight_error": _relative_error(weights[0], weights[1]),
         "buffer_error": _relative_error(buffers[0], buffers[1]),
+        "running_mean_error": _relative_error(means[0], means[1]),
         "buffers_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+        "ignored_parameter_agrees": torch.equal(ignored_everywhere[0], ignored_everywhere[1]),
         "count": controller.split_count,
     }
 
 
 def test_batch_norm_with_broadcast_buffers_matches_plain_ddp(ranks: RankPool) -> None:
     results = ranks.run(_batch_norm, [], timeout=60)
-    assert all(r["buffers_agree"] for r in results)
+    assert all(r["buffers_agree"] and r["ignored_parameter_agrees"] for r in results)
     assert results[0]["buffer_error"] <= RTOL, "rank 0's buffers (the ones DDP broadcasts) differ from plain DDP's"
     for result in results:
         assert result["weight_error"] <= RTOL
+
+
+def test_what_ddp_is_told_to_ignore_stays_local_as_in_plain_ddp(ranks: RankPool) -> None:
+    """A parameter and a buffer left out of DDP's sync: each rank's own, equal to plain DDP's on that rank."""
+    results = ranks.run(_batch_norm, [], True, timeout=60)
+    for result in results:
+        assert result["weight_error"] <= RTOL and result["running_mean_error"] <= RTOL
+        assert not result["buffers_agree"] and not result["ignored_parameter_agrees"]
+    assert results[0]["buffer_error"] <= RTOL
 
 
 @pytest.mark.parametrize("call", [1, 3], ids=["first-step", "second-step-last-microbatch"])
