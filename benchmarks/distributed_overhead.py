@@ -2,8 +2,9 @@
 
 Two gloo ranks on the CPU (spawned, ``file://`` rendezvous), one torch thread each. Every
 step, on both sides: forward and backward of the rank's batch in ``SPLIT`` balanced
-microbatches weighted by their rows, gradient synchronisation once, ``SGD.step`` and
-``zero_grad(set_to_none=True)``. The hand-written loops are what a careful user writes:
+microbatches weighted by their rows, the batch's loss summed from them (detached, as a loop
+logs it), gradient synchronisation once, ``SGD.step`` and ``zero_grad(set_to_none=True)``. The
+hand-written loops are what a careful user writes:
 
 * DDP: ``no_sync()`` on every microbatch but the last, whose backward all-reduces.
 * FSDP2 (torchtitan's recipe): ``set_requires_gradient_sync(i == last)``, FSDP2's default
@@ -143,23 +144,29 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
 
     def ddp_plain() -> None:
         times = []
+        total: Any = 0.0
         for i, (xi, yi) in enumerate(pieces):
             context = plain.no_sync() if i < SPLIT - 1 else contextlib.nullcontext()
             start = time.perf_counter()
             with context:
-                (loss(plain(xi), yi) * (len(xi) / rows)).backward()
+                weighted = loss(plain(xi), yi) * (len(xi) / rows)
+                weighted.backward()
             times.append(time.perf_counter() - start)
+            total = total + weighted.detach()
         probes["last_extra"].append(times[-1] - statistics.median(times[:-1]))
         finish(plain)
 
     def fsdp_plain(model: Any, keep: bool) -> None:
+        total: Any = 0.0
         for i, (xi, yi) in enumerate(pieces):
             last = i == SPLIT - 1
             model.set_requires_gradient_sync(last)
             if keep:
                 model.set_reshard_after_forward(last)
                 model.set_reshard_after_backward(last)
-            (loss(model(xi), yi) * (len(xi) / rows)).backward()
+            weighted = loss(model(xi), yi) * (len(xi) / rows)
+            weighted.backward()
+            total = total + weighted.detach()
         finish(model)
 
     step = eb.ElasticStep(elastic, controller=eb.SplitController(split_count=SPLIT))

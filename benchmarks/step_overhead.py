@@ -2,10 +2,14 @@
 
 Both sides run forward and backward of the same batch, on the same model, in 4 balanced
 microbatches weighted by their rows, then ``zero_grad(set_to_none=True)`` (no optimizer step, so
-that nothing dilutes the overhead). The hand-written loop is what a careful user writes::
+that nothing dilutes the overhead), and both give the batch's loss, detached, as a training loop
+logs it. The hand-written loop is what a careful user writes::
 
+    loss = 0.0
     for x_i, y_i in zip(x.tensor_split(4), y.tensor_split(4)):
-        (loss_fn(model(x_i), y_i) * len(x_i) / len(x)).backward()
+        weighted = loss_fn(model(x_i), y_i) * len(x_i) / len(x)
+        weighted.backward()
+        loss = loss + weighted.detach()
 
 ``ElasticStep`` receives what ``MicrobatchingDataLoader`` yields (an ``ElasticBatch`` that holds
 the collated batch as it is: a new one every step), and does its own bookkeeping on top: set
@@ -91,8 +95,11 @@ def main() -> None:
 
         def by_hand(model: nn.Module = model, batch: Any = batch, loss_fn: Any = loss_fn, rows: int = rows) -> None:
             for _ in range(STEPS_PER_ROUND):
+                total: Any = 0.0  # the batch's loss, as ElasticStep returns it
                 for piece in _split_by_hand(batch, SPLIT):
-                    (loss_fn(model, piece) * (_rows(piece) / rows)).backward()
+                    weighted = loss_fn(model, piece) * (_rows(piece) / rows)
+                    weighted.backward()
+                    total = total + weighted.detach()
                 model.zero_grad(set_to_none=True)
 
         def elastic(model: nn.Module = model, batch: Any = batch, loss_fn: Any = loss_fn, step: Any = step) -> None:
