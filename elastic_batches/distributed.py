@@ -432,7 +432,7 @@ class _DistributedDataParallel(_Agreeing):
         # vote is fused. Changed only by a vote, so it is the same on every rank.
         self._fused_key: tuple[int, ...] | None = None
         self._reference = 1.0  # the last grand total: gradients are pre-scaled by total_r / reference
-        self._vote_staging: torch.Tensor | None = None  # this rank's vote as bytes, on the host, in the plan's dtype
+        self._vote_staging: torch.Tensor | None = None  # the vote segment as this rank sends it, on the host
         self._parts: list[list[torch.Tensor]] | None = None  # this attempt's gradients, bound to the plan
         self._bucket0_factor: float | None = None  # after a fused vote that fitted: bucket 0's factor still to apply
         self._buffer_plan: _FlatPlan | None = None  # persistent, for the buffers of ``_buffer_key``
@@ -464,7 +464,7 @@ class _DistributedDataParallel(_Agreeing):
             self._plan, self._plan_key, self._vote_staging = None, (), None  # free the old buffers first
             plan = _FlatPlan(params, vote_numel=self.world_size * _VOTE_BYTES)
             if plan.vote is not None:
-                self._vote_staging = torch.empty(_VOTE_BYTES, dtype=plan.vote.dtype)
+                self._vote_staging = torch.empty_like(plan.vote, device="cpu")
             self._plan, self._plan_key = plan, key
         assert self._plan is not None
         self._parts = self._plan.bind([p.grad for p in params if p.grad is not None])
@@ -514,9 +514,10 @@ class _DistributedDataParallel(_Agreeing):
             plan.fill(0, self._parts[0], total / self._reference)
         else:
             plan.buckets[0].flat.zero_()
-        staging.copy_(torch.frombuffer(bytearray(struct.pack("3d", status, size, total)), dtype=torch.uint8))
-        plan.vote.zero_()
-        plan.vote[self.rank * _VOTE_BYTES : (self.rank + 1) * _VOTE_BYTES].copy_(staging)
+        votes = bytearray(len(staging))  # zeros in the other ranks' slots
+        votes[self.rank * _VOTE_BYTES : (self.rank + 1) * _VOTE_BYTES] = struct.pack("3d", status, size, total)
+        staging.copy_(torch.frombuffer(votes, dtype=torch.uint8))  # to the plan's dtype on the host
+        plan.vote.copy_(staging)
         dist.all_reduce(plan.fused, group=self.group)
         raw = bytes(round(v) for v in plan.vote.tolist())
         values = struct.unpack(f"{self.world_size * _VOTE_VALUES}d", raw)
