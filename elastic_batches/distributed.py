@@ -476,8 +476,11 @@ class _DistributedDataParallel(_Agreeing):
         self._buffer_parts = self._buffer_plan.bind(buffers) if self._buffer_plan is not None else []
 
     def _synced_buffers(self) -> list[torch.Tensor]:
-        """The buffers DDP broadcasts from rank 0 at a forward, listed anew each time as DDP does (reassignable)."""
-        if not self.ddp.broadcast_buffers:
+        """The buffers DDP broadcasts from rank 0 at a forward, listed anew each time as DDP does (reassignable).
+
+        As DDP, none when its list from the last listing (at construction) is empty.
+        """
+        if not self.ddp.broadcast_buffers or not self.ddp.modules_buffers:
             return []
         ignored = self.ddp.parameters_to_ignore
         return [b for name, b in self.ddp.module.named_buffers() if b.numel() and name not in ignored]
