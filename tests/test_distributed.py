@@ -828,6 +828,25 @@ def test_buckets_cut_dense_tensors_and_keep_others_whole() -> None:
     for got, want in zip(tensors, expected, strict=True):
         torch.testing.assert_close(got, 3.0 * want)
     assert conv.is_contiguous(memory_format=torch.channels_last)
+    # the whole tensors are their own parts (no view per step); the cut one is read in memory order
+    assert parts[7][0] is tensors[2] and parts[8][0] is tensors[4]
+    assert parts[0][0] is tensors[0] and parts[0][1].data_ptr() == conv.data_ptr()
+
+
+def test_a_whole_tensor_of_any_layout_goes_through_its_bucket_unchanged() -> None:
+    conv = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    transposed = torch.randn(4, 3).t()  # dense, not contiguous
+    strided = torch.randn(6, 4)[:, ::2]  # not dense
+    tensors = [conv, transposed, strided]
+    plan = distributed._FlatPlan(tensors)
+    (parts,) = plan.bind(tensors)
+    assert all(part is tensor for part, tensor in zip(parts, tensors, strict=True))
+    expected = [t.clone() for t in tensors]
+    flat = plan.fill(0, parts, 2.0)
+    assert flat.numel() == sum(t.numel() for t in tensors)
+    plan.drain(0, parts)
+    for got, want in zip(tensors, expected, strict=True):
+        torch.testing.assert_close(got, 2.0 * want)
 
 
 # -- the harness itself ------------------------------------------------------------------------
