@@ -36,7 +36,7 @@ def main(quick: bool = False) -> dict[str, Any]:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*litlogger.*")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    samples, batch_size, epochs = (2048, 256, 2) if quick else (8192, 512, 3)  # batch_size: per rank
+    samples, batch_size, epochs = (2048, 512, 2) if quick else (8192, 512, 3)  # batch_size: per rank
     train, val = make_data(samples), make_data(samples // 4, seed=1)
     rank = int(os.environ.get("LOCAL_RANK", 0))  # set by Lightning in the process it starts
 
