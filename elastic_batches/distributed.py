@@ -9,17 +9,19 @@ The protocol (``docs/distributed.md`` walks through it on two ranks):
 2. Still before any collective, each rank allocates what the gradient reduction will need
    (``prepare``); an OOM there is an OOM of the attempt like any other.
 3. Every rank then enters one collective that carries the *vote*: its outcome (ok, OOM,
-   error), the size of its largest microbatch and its weight total. Every rank learns the
-   same thing from it. Under DDP, once every rank holds the persistent buffer of the first
-   gradient bucket (confirmed by the first step's vote), the vote travels in that bucket's
-   ``all_reduce``: each rank's gradients pre-scaled by its total, its vote in its own slot
-   (a rank that failed sends zeros and its vote). Otherwise (the first step, FSDP2, a plain
+   error), the size of its largest microbatch, its weight total and whether it left a trained
+   parameter without gradient. Every rank learns the same thing from it. Under DDP, once
+   every rank holds the persistent buffer of the first gradient bucket (confirmed by the first
+   step's vote), the vote travels in that bucket's ``all_reduce``: each rank's gradients
+   pre-scaled by its total, its vote in its own slot (a rank that failed sends zeros and its
+   vote). Otherwise (the first step, FSDP2, a plain
    module, ``evaluate``) the vote is a small ``all_gather`` of its own.
 4. If any rank failed, every rank throws the attempt's gradients away (``discard``) and
    either retries with the same new split count or raises. Otherwise the gradients become the
    weighted mean ``sum_r(total_r * grad_r) / sum_r(total_r)`` (DDP: the remaining buckets'
    ``all_reduce``; FSDP2: bucketed ``reduce_scatter`` into the sharded gradients), using only
-   memory allocated before the vote.
+   memory allocated before the vote. Parameters that no rank used get their ``.grad`` back to
+   ``None`` (one more small all-reduce, only after a vote in which some rank left one unused).
 
 :func:`gradient_sync_for` picks the scheme for a model. :meth:`GradientSync.agree` is the
 same small collective for other phases that may raise on one rank only (the optimizer step).
@@ -44,9 +46,9 @@ __all__ = ["ERROR", "OK", "OOM", "GradientSync", "Outcome", "Verdict", "gradient
 
 OK, OOM, ERROR = 0, 1, 2
 _BUCKET_BYTES = 25 * 1024 * 1024
-_VOTE_WIDTH = 4  # values each rank contributes to one vote
-_VOTE_VALUES = 3  # status, size, total: the vote of an attempt
-# A fused vote carries each rank's three float64 as their 24 bytes, one byte (0..255) per
+_VOTE_WIDTH = 5  # values each rank contributes to one vote
+_VOTE_VALUES = 4  # status, size, total, and whether a trained parameter got no gradient here: the vote of an attempt
+# A fused vote carries each rank's four float64 as their 32 bytes, one byte (0..255) per
 # gradient element: exact in any of these dtypes, and exact in a sum where the other ranks add 0.
 _VOTE_BYTES = 8 * _VOTE_VALUES
 _BYTE_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -408,11 +410,51 @@ class _FlatPlan:
         torch._foreach_copy_(parts, bucket.views)
 
 
+class _UsedMap:
+    """Which trained parameters got a gradient on no rank: those keep ``grad=None``, as in plain DDP or one process.
+
+    Every rank reduces the same tensors, so a rank zero-fills the gradient of a parameter its
+    microbatches did not use. A single process (and DDP with ``find_unused_parameters``) leaves
+    the gradient of a parameter that no rank used ``None``; an optimizer skips a ``None`` gradient
+    but moves and decays a parameter with a zero one. Each rank's vote says whether it left a
+    parameter unused; only then, after the reduction, one more small all-reduce (a count per
+    parameter, allocated before the vote) tells every rank which parameters no rank used.
+    """
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None) -> None:
+        self.device, self.group = device, group
+        self.used: list[bool] | None = None  # this attempt's, in the order of the reduced parameters
+        self._counts: torch.Tensor | None = None  # on the collectives' device
+        self._staging: torch.Tensor | None = None  # on the host
+
+    def record(self, used: list[bool]) -> None:
+        """Before the vote: which parameters got a gradient here; allocates the counts when their number changes."""
+        if self._counts is None or len(self._counts) != len(used):
+            self._counts = self._staging = None
+            self._staging = torch.zeros(len(used), dtype=torch.float32)
+            self._counts = self._staging if self.device.type == "cpu" else self._staging.to(self.device)
+        self.used = used
+
+    @property
+    def flag(self) -> float:
+        """This rank's vote value: 1 if it left a parameter unused."""
+        return float(self.used is not None and not all(self.used))
+
+    def unused_everywhere(self) -> list[bool]:
+        """After a vote in which some rank left a parameter unused (every rank calls it): those no rank used."""
+        assert self.used is not None and self._counts is not None and self._staging is not None
+        self._staging.numpy()[:] = self.used  # written without a dispatched op: nothing to allocate
+        if self._counts is not self._staging:
+            self._counts.copy_(self._staging)
+        dist.all_reduce(self._counts, group=self.group)
+        return [count == 0 for count in self._counts.tolist()]
+
+
 class _DistributedDataParallel(_Agreeing):
     """DDP: microbatches under ``no_sync``; the vote in the first bucket's all-reduce, then the others.
 
     The flat buffers of the gradient buckets are allocated at the first ``prepare`` and kept
-    (one bucket of at most 25 MiB per gradient dtype, plus the vote segment: 24 elements per
+    (one bucket of at most 25 MiB per gradient dtype, plus the vote segment: 32 elements per
     rank). Until every rank has confirmed in a separate vote that it holds them, votes are
     separate ``all_gather``; from then on (the second step), a rank whose attempt failed can
     still join the first bucket's all-reduce, with zeros, without allocating anything. With
@@ -438,6 +480,8 @@ class _DistributedDataParallel(_Agreeing):
         self._buffer_plan: _FlatPlan | None = None  # persistent, for the buffers of ``_buffer_key``
         self._buffer_key: tuple[int, ...] = ()
         self._buffer_parts: list[list[torch.Tensor]] = []  # this attempt's buffers, bound to the plan
+        self._used = _UsedMap(self.device, self.group)
+        self._unused_somewhere = False  # the vote's news: some rank left a parameter without gradient
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
@@ -455,6 +499,7 @@ class _DistributedDataParallel(_Agreeing):
     @torch.no_grad()
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         params = self._synced(params)
+        self._used.record([p.grad is not None for p in params])
         # Every rank must reduce the same tensors: a parameter unused here may be used elsewhere.
         for p in params:
             if p.grad is None:
@@ -494,9 +539,10 @@ class _DistributedDataParallel(_Agreeing):
             rows = self._fused_vote(status, size, total)
         else:
             ready = key == self._plan_key and self._plan is not None and self._plan.fused is not None
-            rows = self._exchange((status, size, total, float(ready)))
-            self._fused_key = key if all(r[3] for r in rows) else None
+            rows = self._exchange((status, size, total, self._used.flag, float(ready)))
+            self._fused_key = key if all(r[4] for r in rows) else None
         verdict = _verdict(rows, total)
+        self._unused_somewhere = verdict.status == OK and any(r[3] for r in rows)
         grand_total = math.fsum(r[2] for r in rows)
         if fused and verdict.status == OK:  # bucket 0 holds sum_r(total_r * grad_r) / reference
             self._bucket0_factor = self._reference / grand_total if grand_total else 0.0
@@ -518,7 +564,8 @@ class _DistributedDataParallel(_Agreeing):
         else:
             plan.buckets[0].flat.zero_()
         votes = bytearray(len(staging))  # zeros in the other ranks' slots
-        votes[self.rank * _VOTE_BYTES : (self.rank + 1) * _VOTE_BYTES] = struct.pack("3d", status, size, total)
+        vote = struct.pack(f"{_VOTE_VALUES}d", status, size, total, self._used.flag)
+        votes[self.rank * _VOTE_BYTES : (self.rank + 1) * _VOTE_BYTES] = vote
         staging.copy_(torch.frombuffer(votes, dtype=torch.uint8))  # to the plan's dtype on the host
         plan.vote.copy_(staging)
         dist.all_reduce(plan.fused, group=self.group)
@@ -528,6 +575,7 @@ class _DistributedDataParallel(_Agreeing):
 
     def discard(self) -> None:
         self._parts, self._bucket0_factor, self._buffer_parts = None, None, []
+        self._used.used, self._unused_somewhere = None, False
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         if self._parts is None:
@@ -541,6 +589,10 @@ class _DistributedDataParallel(_Agreeing):
         for index in range(first, len(plan.buckets)):
             dist.all_reduce(plan.fill(index, parts[index], scale), group=self.group)
             plan.drain(index, parts[index])
+        if self._unused_somewhere:
+            for p, unused in zip(self._synced(params), self._used.unused_everywhere(), strict=True):
+                if unused:
+                    p.grad = None
         buffer_plan, buffer_parts = self._buffer_plan, self._buffer_parts
         self.discard()
         if buffer_plan is not None and buffer_parts:
@@ -625,6 +677,8 @@ class _FullyShard(_Agreeing):
         self._grads: list[_ShardedGrad] | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
+        self._used = _UsedMap(self.device, self.group)
+        self._unused_somewhere = False  # the vote's news: some rank left a parameter without gradient
 
     def _flags(self) -> list[tuple[Any, Any, bool, Any, bool, tuple[bool, bool]]]:
         """FSDP2's per-group settings that ``microbatches`` changes, to restore them after."""
@@ -704,6 +758,7 @@ class _FullyShard(_Agreeing):
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         world, rank = self.world_size, self.rank
         grads: list[_ShardedGrad] = []
+        used: list[bool] = []
         for fp in self._params:
             p = fp.sharded_param
             if not p.requires_grad:
@@ -711,6 +766,7 @@ class _FullyShard(_Agreeing):
             full = fp.unsharded_accumulated_grad
             if full is None:
                 full = fp._unsharded_param.grad
+            used.append(full is not None)
             if full is None:  # unused here, maybe used on another rank: every rank reduces the same tensors
                 full = torch.zeros(p.shape, dtype=p.dtype, device=p.to_local().device)
             rows = p.shape[0]
@@ -747,11 +803,19 @@ class _FullyShard(_Agreeing):
             )
             for dtype, n in largest.items()
         }
+        self._used.record(used)
         self._grads, self._buckets = grads, buckets
+
+    def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        rows = self._exchange((status, size, total, self._used.flag if params is not None else 0.0))
+        verdict = _verdict(rows, total)
+        self._unused_somewhere = verdict.status == OK and any(r[3] for r in rows)
+        return verdict
 
     def discard(self) -> None:
         self._drop_unsharded_grads()
         self._grads, self._buckets, self._buffers = None, [], {}
+        self._used.used, self._unused_somewhere = None, False
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         from torch.distributed.tensor import DTensor
@@ -784,9 +848,13 @@ class _FullyShard(_Agreeing):
             for e in entries:
                 assert e.local is not None
                 e.local.view(-1).copy_(receive[e.offset : e.offset + e.local.numel()])
+        unused = self._used.unused_everywhere() if self._unused_somewhere else [False] * len(self._grads)
         with torch.no_grad():
-            for e in self._grads:
+            for e, unused_everywhere in zip(self._grads, unused, strict=True):
                 assert e.local is not None
+                if unused_everywhere:
+                    e.sharded.grad = None
+                    continue
                 e.sharded.grad = DTensor.from_local(
                     e.local, self.mesh, e.sharded.placements, run_check=False, shape=e.sharded.shape,
                     stride=e.sharded.stride(),

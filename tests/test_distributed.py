@@ -253,6 +253,67 @@ def test_fsdp2_parameters_that_do_not_fit_on_one_rank_raise_on_every_rank(ranks:
         assert result["retries"] == 0  # splitting cannot help: nothing was retried
 
 
+# -- parameters some rank, or every rank, leaves without gradient ------------------------------
+
+
+class _Branches(nn.Module):
+    """``shared`` is used on every row, ``first`` on rank 0's rows only, ``never`` on none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.first, self.never = nn.Linear(6, 1), nn.Linear(6, 1), nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, use_first: bool) -> torch.Tensor:
+        return self.shared(x) + self.first(x) if use_first else self.shared(x)
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)  # moves zero gradients, skips None
+
+
+def _branches(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Three steps at split 2, AdamW; and the same on one process over both ranks' batches (each rank computes it)."""
+    model: nn.Module = _Branches()
+    if kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)  # without find_unused_parameters, which it does not need
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.shared, model.first, model.never):
+            fully_shard(layer, mesh=_mesh())
+        model = fully_shard(model, mesh=_mesh())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    optimizer = _adamw(model)
+    reference = _Branches()
+    reference_optimizer = _adamw(reference)
+    for i in range(3):
+        x, y = _batch(i, rank, 8)
+        optimizer.zero_grad()
+        step.backward((x, y), lambda mb: nn.functional.mse_loss(model(mb[0], rank == 0), mb[1]))
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        batches = [_batch(i, r, 8) for r in range(world)]
+        outputs = torch.cat([reference(xr, r == 0) for r, (xr, _) in enumerate(batches)])
+        nn.functional.mse_loss(outputs, torch.cat([yr for _, yr in batches])).backward()
+        reference_optimizer.step()
+    never = _inner(model).never
+    grads = [p.grad for p in never.parameters()]
+    return {
+        "error": _relative_error(_full(model.parameters()), _full(reference.parameters())),
+        "never_grads": [g is None for g in grads],
+        "never_unchanged": torch.equal(_full(never.parameters()), _full(_Branches().never.parameters())),
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_parameter_no_rank_uses_keeps_no_gradient_as_on_one_process(ranks: RankPool, kind: str) -> None:
+    """Zero gradients would let AdamW's weight decay move it; the one-process run leaves it where it is."""
+    for result in ranks.run(_branches, kind, timeout=60):
+        assert result["error"] <= RTOL  # the branch only rank 0 uses is averaged over both ranks' rows
+        assert result["never_grads"] == [True, True] and result["never_unchanged"]
+
+
 # -- BatchNorm with DDP's buffer broadcast ------------------------------------------------------
 
 
