@@ -463,6 +463,18 @@ class _DistributedDataParallel(_Agreeing):
     """
 
     def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
+        if model.static_graph:
+            raise NotImplementedError(
+                "ElasticStep does not support DistributedDataParallel(static_graph=True): its first backward starts "
+                "DDP's own reduction, which ElasticStep replaces with its own (vote first, then reduce). Create DDP "
+                "without static_graph: its optimizations are for DDP's reduction, which ElasticStep does not use"
+            )
+        hooks = [getattr(hook, "__qualname__", repr(hook)) for hook, _ in getattr(model, "_comm_hooks", ())]
+        if hooks:
+            raise NotImplementedError(
+                f"ElasticStep reduces the gradients itself and would skip the DDP communication hook(s) {hooks} "
+                "registered with register_comm_hook, changing what they do to the gradients: create DDP without them"
+            )
         super().__init__(model, model.process_group)
         self.ddp = model
         # Parameters DDP leaves out of its gradient sync (``_set_params_and_buffers_to_ignore_for_model``).
@@ -879,8 +891,9 @@ def gradient_sync_for(model: nn.Module) -> GradientSync:
     """The synchronisation scheme for ``model``: alone, DDP, FSDP2, or a plain module on several ranks.
 
     Raises:
-        NotImplementedError: FSDP1 (``FullyShardedDataParallel``), or an FSDP2 layout other
-            than a 1-D mesh with ``Shard(0)`` parameters.
+        NotImplementedError: FSDP1 (``FullyShardedDataParallel``), an FSDP2 layout other than
+            a 1-D mesh with ``Shard(0)`` parameters, DDP with ``static_graph=True`` or with a
+            communication hook.
 
     Example:
         >>> import torch

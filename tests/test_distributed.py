@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -312,6 +313,34 @@ def test_a_parameter_no_rank_uses_keeps_no_gradient_as_on_one_process(ranks: Ran
     for result in ranks.run(_branches, kind, timeout=60):
         assert result["error"] <= RTOL  # the branch only rank 0 uses is averaged over both ranks' rows
         assert result["never_grads"] == [True, True] and result["never_unchanged"]
+
+
+# -- what ElasticStep does not support: a clear error on every rank, no hang -----------------------
+
+
+def _unsupported_ddp(rank: int, world: int, case: str) -> str:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = nn.parallel.DistributedDataParallel(_plain_model(), static_graph=case == "static_graph")
+    if case == "comm_hook":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    with pytest.raises(NotImplementedError) as raised:
+        step.backward(_batch(0, rank, 8), _loss_fn(model))
+    dist.barrier()  # every rank got here: none waits in a collective
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("static_graph", r"does not support DistributedDataParallel\(static_graph=True\).*without static_graph"),
+        ("comm_hook", r"would skip the DDP communication hook\(s\) \['fp16_compress_hook'\].*without them"),
+    ],
+)
+def test_ddp_options_elastic_step_cannot_honour_raise_on_every_rank(ranks: RankPool, case: str, message: str) -> None:
+    for error in ranks.run(_unsupported_ddp, case, timeout=60):
+        assert re.search(message, error), error
 
 
 # -- BatchNorm with DDP's buffer broadcast ------------------------------------------------------
