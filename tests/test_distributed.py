@@ -135,8 +135,9 @@ def _train(
     steps: int = 3,
     split_count: int = 3,
     plan: list[tuple[str, str, list[int], int]] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    model = _distribute(kind, _plain_model())
+    model = _distribute(kind, _plain_model(), **(options or {}))
     controller = eb.SplitController(split_count=split_count)
     step = eb.ElasticStep(model, controller=controller)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -194,6 +195,16 @@ def test_oom_on_some_ranks_retries_everywhere(ranks: RankPool, kind: str, plan: 
     assert results[0]["counts"] == results[1]["counts"]
     assert results[0]["counts"][0] > 3, "the OOM raised the split count"
     assert _learned(results[0]["state"]) == _learned(results[1]["state"])
+    for rank, result in enumerate(results):
+        assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
+
+
+@pytest.mark.parametrize("option", ["gradient_as_bucket_view", "find_unused_parameters"])
+def test_ddp_options_that_change_nothing_here_keep_the_update_exact(ranks: RankPool, option: str) -> None:
+    """DDP's own reduction is not used: its options for it leave the result as without them, OOM included."""
+    plan = OOM_PLANS["backward-middle-rank1"]
+    results = ranks.run(_train, "ddp", timeout=60, rows=[12, 7], plan=plan, options={option: True})
+    assert results[1]["fired"] == [1]
     for rank, result in enumerate(results):
         assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
 
