@@ -342,6 +342,37 @@ def _unsupported_ddp(rank: int, world: int, case: str) -> str:
     return str(raised.value)
 
 
+def _unsupported_fsdp(rank: int, world: int, case: str) -> str:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model: nn.Module = _plain_model()
+    if case == "root_not_sharded":
+        fully_shard(model[0], mesh=_mesh())  # a layer, not the root
+    else:
+        model = fully_shard(model, mesh=_mesh(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    with pytest.raises(NotImplementedError) as raised:
+        step.backward(_batch(0, rank, 8), _loss_fn(model))
+    dist.barrier()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (
+            "shard_placement",
+            r"supports FSDP2 with a 1-D mesh and Shard\(0\) parameters.*got placements \(Shard\(dim=1\),\)",
+        ),
+        ("root_not_sharded", r"Sequential holds FSDP2 modules but is not one itself: apply fully_shard to the root"),
+    ],
+)
+def test_fsdp_layouts_elastic_step_cannot_handle_raise_on_every_rank(ranks: RankPool, case: str, message: str) -> None:
+    for error in ranks.run(_unsupported_fsdp, case, timeout=60):
+        assert re.search(message, error), error
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [
