@@ -469,6 +469,16 @@ class _DistributedDataParallel(_Agreeing):
                 "DDP's own reduction, which ElasticStep replaces with its own (vote first, then reduce). Create DDP "
                 "without static_graph: its optimizations are for DDP's reduction, which ElasticStep does not use"
             )
+        sparse = [
+            name
+            for name, m in model.module.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        ]
+        if sparse:
+            raise NotImplementedError(
+                f"ElasticStep under DDP reduces dense gradients only; module(s) {sparse} make sparse ones "
+                "(sparse=True): create them with sparse=False"
+            )
         hooks = [getattr(hook, "__qualname__", repr(hook)) for hook, _ in getattr(model, "_comm_hooks", ())]
         if hooks:
             raise NotImplementedError(
@@ -892,8 +902,8 @@ def gradient_sync_for(model: nn.Module) -> GradientSync:
 
     Raises:
         NotImplementedError: FSDP1 (``FullyShardedDataParallel``), an FSDP2 layout other than
-            a 1-D mesh with ``Shard(0)`` parameters, DDP with ``static_graph=True`` or with a
-            communication hook.
+            a 1-D mesh with ``Shard(0)`` parameters, DDP with ``static_graph=True``, with a
+            communication hook or with sparse gradients.
 
     Example:
         >>> import torch

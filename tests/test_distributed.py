@@ -332,12 +332,16 @@ def test_a_parameter_no_rank_uses_keeps_no_gradient_as_on_one_process(ranks: Ran
 def _unsupported_ddp(rank: int, world: int, case: str) -> str:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    model = nn.parallel.DistributedDataParallel(_plain_model(), static_graph=case == "static_graph")
+    inner = _plain_model()
+    if case == "sparse":
+        inner = nn.Sequential(nn.EmbeddingBag(10, 6, sparse=True), *inner)
+    model = nn.parallel.DistributedDataParallel(inner, static_graph=case == "static_graph")
     if case == "comm_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
     with pytest.raises(NotImplementedError) as raised:
-        step.backward(_batch(0, rank, 8), _loss_fn(model))
+        batch = (torch.randint(10, (8, 3)), torch.randn(8, 1)) if case == "sparse" else _batch(0, rank, 8)
+        step.backward(batch, _loss_fn(model))
     dist.barrier()  # every rank got here: none waits in a collective
     return str(raised.value)
 
@@ -378,6 +382,7 @@ def test_fsdp_layouts_elastic_step_cannot_handle_raise_on_every_rank(ranks: Rank
     [
         ("static_graph", r"does not support DistributedDataParallel\(static_graph=True\).*without static_graph"),
         ("comm_hook", r"would skip the DDP communication hook\(s\) \['fp16_compress_hook'\].*without them"),
+        ("sparse", r"reduces dense gradients only; module\(s\) \['0'\] make sparse ones.*sparse=False"),
     ],
 )
 def test_ddp_options_elastic_step_cannot_honour_raise_on_every_rank(ranks: RankPool, case: str, message: str) -> None:
