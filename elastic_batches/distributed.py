@@ -14,8 +14,8 @@ The protocol (``docs/distributed.md`` walks through it on two ranks):
    every rank holds the persistent buffer of the first gradient bucket (confirmed by the first
    step's vote), the vote travels in that bucket's ``all_reduce``: each rank's gradients
    pre-scaled by its total, its vote in its own slot (a rank that failed sends zeros and its
-   vote). Otherwise (the first step, FSDP2, a plain
-   module, ``evaluate``) the vote is a small ``all_gather`` of its own.
+   vote). Otherwise (the first step, FSDP2, a plain module, ``evaluate``) the vote is a small
+   ``all_gather`` of its own.
 4. If any rank failed, every rank throws the attempt's gradients away (``discard``) and
    either retries with the same new split count or raises. Otherwise the gradients become the
    weighted mean ``sum_r(total_r * grad_r) / sum_r(total_r)`` (DDP: the remaining buckets'
@@ -424,6 +424,7 @@ class _UsedMap:
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None) -> None:
         self.device, self.group = device, group
         self.used: list[bool] | None = None  # this attempt's, in the order of the reduced parameters
+        self.somewhere = False  # the vote's news: some rank left a parameter without gradient
         self._counts: torch.Tensor | None = None  # on the collectives' device
         self._staging: torch.Tensor | None = None  # on the host
 
@@ -437,12 +438,21 @@ class _UsedMap:
 
     @property
     def flag(self) -> float:
-        """This rank's vote value: 1 if it left a parameter unused."""
+        """This rank's vote value (at index 3 of its row): 1 if it left a parameter unused."""
         return float(self.used is not None and not all(self.used))
 
+    def learn(self, status: int, rows: Sequence[Sequence[float]]) -> None:
+        """From every rank's vote: whether an attempt that fitted left some parameter unused on some rank."""
+        self.somewhere = status == OK and any(r[3] for r in rows)
+
+    def reset(self) -> None:
+        self.used, self.somewhere = None, False
+
     def unused_everywhere(self) -> list[bool]:
-        """After a vote in which some rank left a parameter unused (every rank calls it): those no rank used."""
+        """After the reduction, on every rank: which parameters no rank used (one all-reduce, if the vote said so)."""
         assert self.used is not None and self._counts is not None and self._staging is not None
+        if not self.somewhere:
+            return [False] * len(self.used)
         self._staging.numpy()[:] = self.used  # written without a dispatched op: nothing to allocate
         if self._counts is not self._staging:
             self._counts.copy_(self._staging)
@@ -503,7 +513,6 @@ class _DistributedDataParallel(_Agreeing):
         self._buffer_key: tuple[int, ...] = ()
         self._buffer_parts: list[list[torch.Tensor]] = []  # this attempt's buffers, bound to the plan
         self._used = _UsedMap(self.device, self.group)
-        self._unused_somewhere = False  # the vote's news: some rank left a parameter without gradient
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
@@ -564,7 +573,7 @@ class _DistributedDataParallel(_Agreeing):
             rows = self._exchange((status, size, total, self._used.flag, float(ready)))
             self._fused_key = key if all(r[4] for r in rows) else None
         verdict = _verdict(rows, total)
-        self._unused_somewhere = verdict.status == OK and any(r[3] for r in rows)
+        self._used.learn(verdict.status, rows)
         grand_total = math.fsum(r[2] for r in rows)
         if fused and verdict.status == OK:  # bucket 0 holds sum_r(total_r * grad_r) / reference
             self._bucket0_factor = self._reference / grand_total if grand_total else 0.0
@@ -597,7 +606,7 @@ class _DistributedDataParallel(_Agreeing):
 
     def discard(self) -> None:
         self._parts, self._bucket0_factor, self._buffer_parts = None, None, []
-        self._used.used, self._unused_somewhere = None, False
+        self._used.reset()
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         if self._parts is None:
@@ -611,10 +620,9 @@ class _DistributedDataParallel(_Agreeing):
         for index in range(first, len(plan.buckets)):
             dist.all_reduce(plan.fill(index, parts[index], scale), group=self.group)
             plan.drain(index, parts[index])
-        if self._unused_somewhere:
-            for p, unused in zip(self._synced(params), self._used.unused_everywhere(), strict=True):
-                if unused:
-                    p.grad = None
+        for p, unused in zip(self._synced(params), self._used.unused_everywhere(), strict=True):
+            if unused:
+                p.grad = None
         buffer_plan, buffer_parts = self._buffer_plan, self._buffer_parts
         self.discard()
         if buffer_plan is not None and buffer_parts:
@@ -700,7 +708,6 @@ class _FullyShard(_Agreeing):
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
         self._used = _UsedMap(self.device, self.group)
-        self._unused_somewhere = False  # the vote's news: some rank left a parameter without gradient
 
     def _flags(self) -> list[tuple[Any, Any, bool, Any, bool, tuple[bool, bool]]]:
         """FSDP2's per-group settings that ``microbatches`` changes, to restore them after."""
@@ -831,13 +838,13 @@ class _FullyShard(_Agreeing):
     def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
         rows = self._exchange((status, size, total, self._used.flag if params is not None else 0.0))
         verdict = _verdict(rows, total)
-        self._unused_somewhere = verdict.status == OK and any(r[3] for r in rows)
+        self._used.learn(verdict.status, rows)
         return verdict
 
     def discard(self) -> None:
         self._drop_unsharded_grads()
         self._grads, self._buckets, self._buffers = None, [], {}
-        self._used.used, self._unused_somewhere = None, False
+        self._used.reset()
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         from torch.distributed.tensor import DTensor
@@ -870,9 +877,8 @@ class _FullyShard(_Agreeing):
             for e in entries:
                 assert e.local is not None
                 e.local.view(-1).copy_(receive[e.offset : e.offset + e.local.numel()])
-        unused = self._used.unused_everywhere() if self._unused_somewhere else [False] * len(self._grads)
         with torch.no_grad():
-            for e, unused_everywhere in zip(self._grads, unused, strict=True):
+            for e, unused_everywhere in zip(self._grads, self._used.unused_everywhere(), strict=True):
                 assert e.local is not None
                 if unused_everywhere:
                     e.sharded.grad = None
