@@ -284,8 +284,11 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)  # moves zero gradients, skips None
 
 
-def _branches(rank: int, world: int, kind: str) -> dict[str, Any]:
-    """Three steps at split 2, AdamW; and the same on one process over both ranks' batches (each rank computes it)."""
+def _branches(rank: int, world: int, kind: str, oom: bool = False) -> dict[str, Any]:
+    """Three steps at split 2, AdamW; and the same on one process over both ranks' batches (each rank computes it).
+
+    With ``oom``, rank 1 runs out of memory in a forward of the second step (a fused vote under DDP).
+    """
     model: nn.Module = _Branches()
     if kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model)  # without find_unused_parameters, which it does not need
@@ -299,6 +302,7 @@ def _branches(rank: int, world: int, kind: str) -> dict[str, Any]:
     optimizer = _adamw(model)
     reference = _Branches()
     reference_optimizer = _adamw(reference)
+    injected = inject_oom(_inner(model).shared, phase="forward", calls=3, rank=1) if oom else None
     for i in range(3):
         x, y = _batch(i, rank, 8)
         optimizer.zero_grad()
@@ -309,19 +313,25 @@ def _branches(rank: int, world: int, kind: str) -> dict[str, Any]:
         outputs = torch.cat([reference(xr, r == 0) for r, (xr, _) in enumerate(batches)])
         nn.functional.mse_loss(outputs, torch.cat([yr for _, yr in batches])).backward()
         reference_optimizer.step()
+    if injected is not None:
+        injected.remove()
     never = _inner(model).never
     grads = [p.grad for p in never.parameters()]
     return {
+        "fired": 0 if injected is None else injected.fired,
         "error": _relative_error(_full(model.parameters()), _full(reference.parameters())),
         "never_grads": [g is None for g in grads],
         "never_unchanged": torch.equal(_full(never.parameters()), _full(_Branches().never.parameters())),
     }
 
 
+@pytest.mark.parametrize("oom", [False, True], ids=["fits", "oom-on-rank-1"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_parameter_no_rank_uses_keeps_no_gradient_as_on_one_process(ranks: RankPool, kind: str) -> None:
+def test_a_parameter_no_rank_uses_keeps_no_gradient_as_on_one_process(ranks: RankPool, kind: str, oom: bool) -> None:
     """Zero gradients would let AdamW's weight decay move it; the one-process run leaves it where it is."""
-    for result in ranks.run(_branches, kind, timeout=60):
+    results = ranks.run(_branches, kind, oom, timeout=60)
+    assert [r["fired"] for r in results] == [0, 1 if oom else 0]
+    for result in results:
         assert result["error"] <= RTOL  # the branch only rank 0 uses is averaged over both ranks' rows
         assert result["never_grads"] == [True, True] and result["never_unchanged"]
 
