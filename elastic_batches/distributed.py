@@ -178,7 +178,7 @@ class GradientSync:
 
         Args:
             status: ``OK``, ``OOM`` or ``ERROR``.
-            values: Up to three numbers to sum over ranks (a partial squared gradient norm).
+            values: Up to four numbers to sum over ranks (a partial squared gradient norm).
         """
         _check_values(values)
         return _outcome([(status, *values)], len(values))
