@@ -600,7 +600,7 @@ class _DistributedDataParallel(_Agreeing):
         staging.copy_(torch.frombuffer(votes, dtype=torch.uint8))  # to the plan's dtype on the host
         plan.vote.copy_(staging)
         dist.all_reduce(plan.fused, group=self.group)
-        raw = bytes(round(v) for v in plan.vote.tolist())
+        raw = bytes(map(round, plan.vote.tolist()))
         values = struct.unpack(f"{self.world_size * _VOTE_VALUES}d", raw)
         return [list(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES]) for r in range(self.world_size)]
 
