@@ -276,8 +276,9 @@ class _Branches(nn.Module):
         torch.manual_seed(0)
         self.shared, self.first, self.never = nn.Linear(6, 1), nn.Linear(6, 1), nn.Linear(6, 1)
 
-    def forward(self, x: torch.Tensor, use_first: bool) -> torch.Tensor:
-        return self.shared(x) + self.first(x) if use_first else self.shared(x)
+    def forward(self, x: torch.Tensor, use_first: bool, use_never: bool = False) -> torch.Tensor:
+        y = self.shared(x) + self.first(x) if use_first else self.shared(x)
+        return y + self.never(x) if use_never else y
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -334,6 +335,32 @@ def test_a_parameter_no_rank_uses_keeps_no_gradient_as_on_one_process(ranks: Ran
     for result in results:
         assert result["error"] <= RTOL  # the branch only rank 0 uses is averaged over both ranks' rows
         assert result["never_grads"] == [True, True] and result["never_unchanged"]
+
+
+def _unused_collectives(rank: int, world: int) -> list[dict[str, int]]:
+    """DDP steps where some rank leaves a parameter unused, then one where every rank uses every parameter."""
+    model = nn.parallel.DistributedDataParallel(_Branches())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    per_step = []
+    for i, use_all in enumerate([False, False, True]):
+        x, y = _batch(i, rank, 8)
+        use_first = rank == 0 or use_all
+
+        def loss_fn(mb: tuple[torch.Tensor, torch.Tensor], use_first: bool = use_first, use_all: bool = use_all) -> Any:
+            return nn.functional.mse_loss(model(mb[0], use_first, use_all), mb[1])
+
+        model.zero_grad(set_to_none=True)
+        with _counting_collectives() as counts:
+            step.backward((x, y), loss_fn)
+        per_step.append(counts)
+    return per_step
+
+
+def test_ddp_an_unused_parameter_costs_one_all_reduce_only_in_the_steps_that_leave_one(ranks: RankPool) -> None:
+    for first, fused, all_used in ranks.run(_unused_collectives, timeout=60):
+        assert first == {"all_reduce": 1 + 1, GATHER: 1, "all_gather": 0, "broadcast": 0}  # bucket, unused map
+        assert fused == {"all_reduce": 1 + 1, GATHER: 0, "all_gather": 0, "broadcast": 0}  # the vote rides in it
+        assert all_used == {"all_reduce": 1, GATHER: 0, "all_gather": 0, "broadcast": 0}
 
 
 # -- what ElasticStep does not support: a clear error on every rank, no hang -----------------------
