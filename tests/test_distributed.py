@@ -376,8 +376,8 @@ def _unsupported_ddp(rank: int, world: int, case: str) -> str:
     if case == "comm_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    batch = (torch.randint(10, (8, 3)), torch.randn(8, 1)) if case == "sparse" else _batch(0, rank, 8)
     with pytest.raises(NotImplementedError) as raised:
-        batch = (torch.randint(10, (8, 3)), torch.randn(8, 1)) if case == "sparse" else _batch(0, rank, 8)
         step.backward(batch, _loss_fn(model))
     dist.barrier()  # every rank got here: none waits in a collective
     return str(raised.value)
