@@ -210,6 +210,29 @@ def _check_values(values: Sequence[float]) -> None:
         raise ValueError(f"GradientSync.agree takes at most {_VOTE_WIDTH - 1} values, got {len(values)}")
 
 
+class _HostWritten:
+    """A tensor on the collectives' device that the host fills without a dispatched op, so nothing is allocated.
+
+    Allocated once, before any collective that sends it: writing it later cannot raise an OOM.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._host = torch.zeros(numel, dtype=dtype)
+        self._device = self._host if device.type == "cpu" else self._host.to(device)
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def write(self, values: Sequence[float]) -> torch.Tensor:
+        """``values`` first, zeros after; the tensor on the device, to send."""
+        host = self._host.numpy()
+        host[: len(values)] = values
+        host[len(values) :] = 0
+        if self._device is not self._host:
+            self._device.copy_(self._host)
+        return self._device
+
+
 class _Agreeing(GradientSync):
     """Several ranks: agree on the outcome; gradients are the user's business (a plain module)."""
 
@@ -223,17 +246,11 @@ class _Agreeing(GradientSync):
         else:
             self.device = next(model.parameters()).device
         # Allocated once, so that a vote never allocates (an OOM in it would strand the peers).
-        self._staging = torch.zeros(_VOTE_WIDTH, dtype=torch.float64)
-        self._mine = self._staging if self.device.type == "cpu" else self._staging.to(self.device)
+        self._mine = _HostWritten(_VOTE_WIDTH, torch.float64, self.device)
         self._gathered = torch.zeros(self.world_size * _VOTE_WIDTH, dtype=torch.float64, device=self.device)
 
     def _exchange(self, values: Sequence[float]) -> list[list[float]]:
-        staging = self._staging.numpy()  # written without a dispatched op: nothing to allocate
-        staging[:] = 0.0
-        staging[: len(values)] = values
-        if self._mine is not self._staging:
-            self._mine.copy_(self._staging)
-        getattr(dist, _ALL_GATHER)(self._gathered, self._mine, group=self.group)
+        getattr(dist, _ALL_GATHER)(self._gathered, self._mine.write(values), group=self.group)
         return self._gathered.view(self.world_size, _VOTE_WIDTH).tolist()
 
     def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
@@ -425,15 +442,13 @@ class _UsedMap:
         self.device, self.group = device, group
         self.used: list[bool] | None = None  # this attempt's, in the order of the reduced parameters
         self.somewhere = False  # the vote's news: some rank left a parameter without gradient
-        self._counts: torch.Tensor | None = None  # on the collectives' device
-        self._staging: torch.Tensor | None = None  # on the host
+        self._counts: _HostWritten | None = None
 
     def record(self, used: list[bool]) -> None:
         """Before the vote: which parameters got a gradient here; allocates the counts when their number changes."""
         if self._counts is None or len(self._counts) != len(used):
-            self._counts = self._staging = None
-            self._staging = torch.zeros(len(used), dtype=torch.float32)
-            self._counts = self._staging if self.device.type == "cpu" else self._staging.to(self.device)
+            self._counts = None  # free the old ones first
+            self._counts = _HostWritten(len(used), torch.float32, self.device)
         self.used = used
 
     @property
@@ -450,14 +465,12 @@ class _UsedMap:
 
     def unused_everywhere(self) -> list[bool]:
         """After the reduction, on every rank: which parameters no rank used (one all-reduce, if the vote said so)."""
-        assert self.used is not None and self._counts is not None and self._staging is not None
+        assert self.used is not None and self._counts is not None
         if not self.somewhere:
             return [False] * len(self.used)
-        self._staging.numpy()[:] = self.used  # written without a dispatched op: nothing to allocate
-        if self._counts is not self._staging:
-            self._counts.copy_(self._staging)
-        dist.all_reduce(self._counts, group=self.group)
-        return [count == 0 for count in self._counts.tolist()]
+        counts = self._counts.write(self.used)
+        dist.all_reduce(counts, group=self.group)
+        return [count == 0 for count in counts.tolist()]
 
 
 class _DistributedDataParallel(_Agreeing):
