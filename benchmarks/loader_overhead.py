@@ -33,7 +33,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from elastic_batches import MicrobatchingDataLoader
 
 TARGET = 1.03
-ROUNDS = 5 if QUICK else 11
+ROUNDS = 5 if QUICK else 21
 EPOCH = 40 if QUICK else 100  # batches per epoch
 BATCH = 64
 

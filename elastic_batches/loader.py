@@ -85,14 +85,62 @@ class _ShuffleSampler(StatefulRandomSampler, RandomSampler):
 
     What ``shuffle=True`` builds: Lightning recognises it as the default shuffling sampler and
     swaps in a shuffling ``DistributedSampler`` under DDP, as it does for a plain DataLoader.
+    Built with the defaults only (no replacement, one pass over the dataset), so that an epoch's
+    indices come from :class:`_ShuffledOrder`: torchdata's order and state, a batch at a time.
     """
+
+    def __iter__(self) -> Iterator[int]:
+        return _ShuffledOrder(self)
+
+
+class _ShuffledOrder:
+    """One epoch of a :class:`_ShuffleSampler`: torchdata's order and state keys, taken a batch at a time.
+
+    torchdata's iterator returns one index per Python call (6.7 us for a batch of 64, about 1.5%
+    of a small text batch); :meth:`take` slices a batch's indices from the permutation at once.
+    """
+
+    def __init__(self, sampler: _ShuffleSampler) -> None:
+        self.generator = sampler.generator
+        self.size = len(sampler.data_source)
+        self._start(self.generator.get_state())
+
+    def _start(self, generator_state: torch.Tensor) -> None:
+        """Draw the epoch's permutation from ``generator_state``, as torchdata does."""
+        self.generator_state = generator_state
+        self.generator.set_state(generator_state)
+        self.permutation = torch.randperm(self.size, generator=self.generator).tolist()
+        self.yielded = 0
+
+    def take(self, n: int) -> list[int]:
+        """The next ``n`` indices (fewer at the end of the epoch; none after it)."""
+        start = self.yielded
+        self.yielded = min(start + n, self.size)
+        return self.permutation[start : self.yielded]
+
+    def __iter__(self) -> _ShuffledOrder:
+        return self
+
+    def __next__(self) -> int:
+        if self.yielded == self.size:
+            raise StopIteration
+        self.yielded += 1
+        return self.permutation[self.yielded - 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"yielded": self.yielded, "generator": self.generator_state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._start(state["generator"])
+        self.yielded = state["yielded"]
 
 
 class _ResumableBatches:
     """The batches of index lists a batch sampler yields, resumable as torchdata's are (same state keys).
 
     torchdata's iterator appends the indices one Python call at a time; this one takes each
-    batch's indices from the sampler in one ``islice``, several times faster per batch.
+    batch's indices from the sampler in one ``islice`` (from a :class:`_ShuffledOrder`, in one
+    slice), several times faster per batch.
     """
 
     def __init__(self, sampler: Any, batch_size: int, drop_last: bool) -> None:
@@ -106,7 +154,11 @@ class _ResumableBatches:
         return self
 
     def __next__(self) -> list[int]:
-        batch = list(itertools.islice(self.sampler_iter, self.batch_size))
+        order = self.sampler_iter
+        if type(order) is _ShuffledOrder:
+            batch = order.take(self.batch_size)
+        else:
+            batch = list(itertools.islice(order, self.batch_size))
         self.samples_yielded += len(batch)
         if not batch or (self.drop_last and len(batch) < self.batch_size):
             raise StopIteration

@@ -267,10 +267,16 @@ def test_batches_and_mid_epoch_state_are_torchdatas(shuffle: bool, drop_last: bo
     plain_state, elastic_state = plain.state_dict(), elastic.state_dict()
     ours, theirs = elastic_state["loader"]["_sampler_iter_state"], plain_state["_sampler_iter_state"]
     assert ours.keys() == theirs.keys() and ours["samples_yielded"] == theirs["samples_yielded"] == 6
+    if shuffle:  # the shuffled order's own state is torchdata's: same keys, same position, same generator
+        ours, theirs = ours["sampler_iter_state"], theirs["sampler_iter_state"]
+        assert ours["yielded"] == theirs["yielded"] == 6 and torch.equal(ours["generator"], theirs["generator"])
     resumed_plain, resumed = loaders()
     resumed_plain.load_state_dict(plain_state)
     resumed.load_state_dict(elastic_state)
     assert [_rows(b) for b in resumed] == [b[1].tolist() for b in resumed_plain] == expected[2:]
+    _, from_torchdata = loaders()  # a state saved by torchdata's own loader resumes here too
+    from_torchdata.load_state_dict({**elastic_state, "loader": plain_state})
+    assert [_rows(b) for b in from_torchdata] == expected[2:]
 
 
 def test_workers_snapshot_their_state_every_32_batches_unless_told_otherwise() -> None:
