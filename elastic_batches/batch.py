@@ -18,6 +18,7 @@ import torch
 from tensordict import NonTensorStack, TensorDictBase
 
 from elastic_batches.balance import BatchLoad, split_sizes
+from elastic_batches.controller import SettledSplit
 from elastic_batches.structures import (
     BatchSpec,
     Fields,
@@ -135,9 +136,10 @@ class ElasticBatch:
         <class 'tuple'>
     """
 
-    __slots__ = ("_data", "_fields", "_loads", "_rows", "_source", "_spec", "_split_count", "padding")
+    __slots__ = ("_data", "_fields", "_loads", "_rows", "_settled", "_source", "_spec", "_split_count", "padding")
 
     _data: TensorDictBase | None
+    _split_count: int | None  # None: worked out from _settled when first read
 
     def __init__(
         self, data: TensorDictBase, spec: BatchSpec, split_count: int = 1, padding: Padding | None = None
@@ -163,6 +165,7 @@ class ElasticBatch:
         self._source = source
         self._data = None
         self.split_count = split_count
+        self._settled: SettledSplit | None = None
         self.padding = padding
         self._loads: dict[str, BatchLoad] = {}
 
@@ -223,13 +226,39 @@ class ElasticBatch:
     @property
     def split_count(self) -> int:
         """The number of microbatches this batch was tagged with (at least 1)."""
-        return self._split_count
+        count = self._split_count
+        if count is None:
+            settled = self._settled
+            assert settled is not None
+            count = settled.count_for(len(self) if settled.unit == "rows" else self.load(settled.unit))
+            self._split_count = count
+        return count
 
     @split_count.setter
     def split_count(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"ElasticBatch.split_count must be an int >= 1, got {value!r}")
         self._split_count = value
+
+    def tag(self, settled: SettledSplit) -> None:
+        """Tag the batch with what a controller has settled on (``controller.settled``).
+
+        :attr:`split_count` becomes the count ``settled`` gives this batch, worked out when it is
+        first read: the count of the moment of tagging, at the cost of one assignment (the loader
+        tags every batch it yields).
+
+        Example:
+            >>> import torch
+            >>> import elastic_batches as eb
+            >>> controller = eb.SplitController(split_count=3)
+            >>> batch = eb.ElasticBatch.wrap(torch.zeros(10, 2))
+            >>> batch.tag(controller.settled)
+            >>> controller.record_oom(size=4, rows=10)  # learned later: does not change the tag
+            >>> batch.split_count, controller.count_for(10)
+            (3, 5)
+        """
+        self._settled = settled
+        self._split_count = None
 
     @property
     def fields(self) -> Fields:

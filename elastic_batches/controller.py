@@ -25,6 +25,7 @@ microbatches of one batch carry similar token counts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from elastic_batches._state import check_state_dict
 from elastic_batches.balance import BatchLoad, rows_within
 
-__all__ = ["ElasticOOMError", "SplitController"]
+__all__ = ["ElasticOOMError", "SettledSplit", "SplitController"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,49 @@ def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         allowed = "an int >= 1 or None" if allow_none else "an int >= 1"
         raise ValueError(f"SplitController: {name} must be {allowed}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SettledSplit:
+    """What a :class:`SplitController` has settled on at one moment: the count it gives any batch, without probing.
+
+    A value: the controller makes a new one whenever it learns, so a batch tagged with one
+    (:meth:`ElasticBatch.tag`) keeps the count of the moment it was tagged, worked out only when
+    it is first read.
+
+    Example:
+        >>> from elastic_batches import SplitController
+        >>> controller = SplitController()
+        >>> controller.record_oom(size=64, rows=64)
+        >>> settled = controller.settled
+        >>> settled.capacity, settled.count_for(64), settled.count_for(100)
+        (32, 2, 4)
+    """
+
+    start_split_count: int
+    capacity: int | None  # the microbatch size a settled count keeps to; None: nothing learned yet
+    min_microbatch_size: int
+    max_split_count: int | None
+    unit: str
+
+    def count_for(self, rows: int | BatchLoad) -> int:
+        """The count for a batch of ``rows`` rows (``unit="tokens"``: its ``BatchLoad``)."""
+        if type(rows) is int:
+            count = self.start_split_count if self.capacity is None else rows_within(rows, self.capacity)
+            return self.clamp(rows, count)
+        assert isinstance(rows, BatchLoad)
+        return self.clamp(rows.rows, self.unclamped(rows))
+
+    def unclamped(self, load: BatchLoad) -> int:
+        """The count that keeps to the capacity, before the limits."""
+        return self.start_split_count if self.capacity is None else load.count_within(self.capacity)
+
+    def clamp(self, rows: int, count: int) -> int:
+        """``count`` within the limits: at most ``rows``, ``max_split_count``, ``rows // min_microbatch_size``."""
+        count = min(count, rows, max(1, rows // self.min_microbatch_size))
+        if self.max_split_count is not None:
+            count = min(count, self.max_split_count)
+        return max(count, 1)
 
 
 class SplitController:
@@ -133,13 +177,14 @@ class SplitController:
                 f"SplitController: split_count={split_count} exceeds max_split_count={max_split_count}; "
                 "lower split_count or raise max_split_count"
             )
-        self.min_microbatch_size = min_microbatch_size
-        self.max_split_count = max_split_count
+        self._min_microbatch_size = min_microbatch_size
+        self._max_split_count = max_split_count
         self.grow_after = grow_after
         self.unit = unit
         self._start_split_count = split_count
         self._fits = 0  # largest microbatch size (rows) that completed a step; 0: none yet
         self._fails: int | None = None  # smallest microbatch size that ran out of memory
+        self._resettle()
         self._last_rows: BatchLoad | None = None
         self._steps_since_oom = 0
         self._grow_pending = False
@@ -155,7 +200,42 @@ class SplitController:
             f"fits={self._fits}, fails={self._fails}, oom_count={self.oom_count})"
         )
 
+    # -- limits -------------------------------------------------------------------------------
+
+    @property
+    def min_microbatch_size(self) -> int:
+        """Never cut microbatches smaller than this many rows."""
+        return self._min_microbatch_size
+
+    @min_microbatch_size.setter
+    def min_microbatch_size(self, value: int) -> None:
+        _positive_int("min_microbatch_size", value)
+        self._min_microbatch_size = value
+        self._resettle()
+
+    @property
+    def max_split_count(self) -> int | None:
+        """Never cut a batch into more microbatches than this (``None``: no limit but its rows)."""
+        return self._max_split_count
+
+    @max_split_count.setter
+    def max_split_count(self, value: int | None) -> None:
+        _positive_int("max_split_count", value, allow_none=True)
+        self._max_split_count = value
+        self._resettle()
+
     # -- what to use --------------------------------------------------------------------------
+
+    @property
+    def settled(self) -> SettledSplit:
+        """What the controller has settled on now (the loader tags each batch with it)."""
+        return self._settled
+
+    def _resettle(self) -> None:
+        """Make :attr:`settled` anew from what the controller knows now (after every change of it)."""
+        self._settled = SettledSplit(
+            self._start_split_count, self._capacity(), self._min_microbatch_size, self._max_split_count, self.unit
+        )
 
     @property
     def split_count(self) -> int:
@@ -198,13 +278,10 @@ class SplitController:
             >>> controller.count_for(10)
             3
         """
-        capacity = self._capacity()
-        if type(rows) is int and self.unit == "rows":  # every batch the loader yields: no BatchLoad to build
+        if type(rows) is int and self.unit == "rows":  # no BatchLoad to build
             _positive_int("rows", rows)
-            count = self._start_split_count if capacity is None else rows_within(rows, capacity)
-            return self._clamp(rows, count)
-        load = self._load(rows)
-        return self._clamp(load.rows, self._settled_count(load))
+            return self._settled.count_for(rows)
+        return self._settled.count_for(self._load(rows))
 
     def plan(self, rows: int | BatchLoad) -> int:
         """The count to try next on a batch of ``rows`` rows; may probe a larger microbatch.
@@ -216,7 +293,7 @@ class SplitController:
             A count between 1 and ``rows``.
         """
         load = self._load(rows)  # asking changes nothing: only record_success / record_oom learn
-        settled = self._settled_count(load)
+        settled = self._settled.unclamped(load)
         count = settled
         if self._grow_pending:
             count = settled - 1
@@ -226,7 +303,7 @@ class SplitController:
                 count = settled - 1
             if count < 1 or load.size_at(count) >= self._fails:
                 count = settled  # no count of this batch falls strictly between fits and fails
-        return self._clamp(load.rows, max(count, 1))
+        return self._settled.clamp(load.rows, max(count, 1))
 
     def _capacity(self) -> int | None:
         """The microbatch size a settled count keeps to: the largest that fitted, else half the smallest that failed."""
@@ -235,16 +312,6 @@ class SplitController:
         if self._fails is not None:
             return max(1, (self._fails + 1) // 2)
         return None
-
-    def _settled_count(self, load: BatchLoad) -> int:
-        capacity = self._capacity()
-        return self._start_split_count if capacity is None else load.count_within(capacity)
-
-    def _clamp(self, rows: int, count: int) -> int:
-        count = min(count, rows, max(1, rows // self.min_microbatch_size))
-        if self.max_split_count is not None:
-            count = min(count, self.max_split_count)
-        return max(count, 1)
 
     # -- what happened ------------------------------------------------------------------------
 
@@ -264,6 +331,8 @@ class SplitController:
         self._fits = max(self._fits, size)
         if self._fails is not None and self._fits >= self._fails:
             self._fails = None  # memory grew past an old failure
+        if self._capacity() != self._settled.capacity:
+            self._resettle()
         self._last_rows = load
         self._tried.clear()
         self._grow_pending = False
@@ -307,7 +376,7 @@ class SplitController:
         count = load.count_within(size)
         # At the limit when the smallest largest-microbatch the limits allow is what failed. A smaller size
         # can only come from another rank (whose batch splits finer): this rank then splits all it may.
-        at_limit = load.size_at(self._clamp(rows, rows)) == size
+        at_limit = load.size_at(self._settled.clamp(rows, rows)) == size
         if at_limit:
             tried = ", ".join(str(s) for s in self._tried)
             self._tried.clear()
@@ -321,6 +390,7 @@ class SplitController:
         self._fails = size if self._fails is None else min(self._fails, size)
         if self._fits >= size:
             self._fits = 0  # memory shrank: what fitted before does not any more
+        self._resettle()
         self.retry_count += 1
         self._last_rows = load
         after = self.plan(load)
@@ -382,6 +452,7 @@ class SplitController:
         self._start_split_count = int(state["start_split_count"])
         self._fits = int(state["fits"])
         self._fails = None if state["fails"] is None else int(state["fails"])
+        self._resettle()
         self._last_rows = (
             None if state["last_rows"] is None else BatchLoad(int(state["last_rows"]), state["last_lengths"])
         )

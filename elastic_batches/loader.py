@@ -319,15 +319,15 @@ class MicrobatchingDataLoader(StatefulDataLoader):
     def __iter__(self) -> Iterator[ElasticBatch]:  # type: ignore[override]
         return self._tagged(super().__iter__())
 
-    def _tagged(self, batches: Iterator[Any]) -> Iterator[ElasticBatch]:
+    def _tagged(self, batches: Iterator[ElasticBatch]) -> Iterator[ElasticBatch]:
         controller = self.controller
         checked = False
         for batch in batches:
-            if not checked:  # a batch structure that cannot be split fails here, not at the first OOM
+            batch.tag(controller.settled)  # the count of now, worked out when first read
+            if not checked:  # a batch that cannot be split, or counted in the controller's unit, fails here
                 batch.fields  # noqa: B018 - takes a deferred batch apart
+                batch.split_count  # noqa: B018 - works the count out
                 checked = True
-            unit = controller.unit
-            batch.split_count = controller.count_for(len(batch) if unit == "rows" else batch.load(unit))
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -391,3 +391,18 @@ def test_repr_shows_what_was_learned() -> None:
     controller = eb.SplitController()
     controller.record_oom(64, 64)
     assert repr(controller) == "SplitController(split_count=2, microbatch_size=32, fits=0, fails=64, oom_count=1)"
+
+
+def test_limits_set_later_apply_to_the_next_count_and_are_checked() -> None:
+    controller = eb.SplitController()
+    controller.record_oom(size=64, rows=64)
+    controller.record_oom(size=32, rows=64)
+    assert controller.count_for(64) == 4
+    controller.max_split_count = 3
+    controller.min_microbatch_size = 32
+    assert controller.count_for(64) == 2 and controller.settled.max_split_count == 3
+    with pytest.raises(ValueError, match="max_split_count must be an int >= 1 or None, got 0"):
+        controller.max_split_count = 0
+    with pytest.raises(ValueError, match="min_microbatch_size must be an int >= 1, got 1.5"):
+        controller.min_microbatch_size = 1.5  # type: ignore[assignment]
+    assert (controller.max_split_count, controller.min_microbatch_size) == (3, 32)

@@ -199,6 +199,24 @@ def test_tags_are_set_when_a_batch_is_yielded_even_if_prefetched() -> None:
     assert [b.split_count for b in iterator] == [2] * 5
 
 
+def test_a_tag_is_the_count_of_the_moment_the_batch_was_yielded() -> None:
+    """The count is worked out when first read, from what the controller had settled on at the yield."""
+    controller = eb.SplitController()
+    iterator = iter(eb.MicrobatchingDataLoader(_dataset(24), batch_size=4, controller=controller))
+    next(iterator)
+    held = next(iterator)  # not read yet
+    controller.record_oom(4, 4)
+    after = next(iterator)
+    controller.record_oom(2, 4)  # learned after both were yielded
+    assert (held.split_count, after.split_count, controller.count_for(4)) == (1, 2, 4)
+
+
+def test_a_tokens_controller_needs_padded_batches_from_the_first_one() -> None:
+    loader = eb.MicrobatchingDataLoader(_dataset(8), batch_size=4, controller=eb.SplitController(unit="tokens"))
+    with pytest.raises(ValueError, match="a tokens-based split needs a batch with padded fields"):
+        next(iter(loader))
+
+
 def test_tags_follow_each_batchs_size() -> None:
     controller = eb.SplitController()
     controller.record_oom(8, 8)
