@@ -4,7 +4,7 @@ from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.collate import ElasticCollate, register_collate
-from elastic_batches.controller import ElasticOOMError, SplitController
+from elastic_batches.controller import ElasticOOMError, SettledSplit, SplitController
 from elastic_batches.loader import MicrobatchingDataLoader
 from elastic_batches.oom import is_oom_error
 from elastic_batches.padding import Padding
@@ -20,6 +20,7 @@ __all__ = [
     "Microbatch",
     "MicrobatchingDataLoader",
     "Padding",
+    "SettledSplit",
     "ShapeBuckets",
     "SplitController",
     "is_oom_error",

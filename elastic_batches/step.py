@@ -318,8 +318,9 @@ class ElasticStep:
         """
         load = batch.load(self.controller.unit)
         planned = self.controller.plan(load)
-        if batch.split_count > self.controller.count_for(load):
-            planned = max(planned, batch.split_count)
+        tag = batch.split_count
+        if tag > planned and tag > self.controller.count_for(load):
+            planned = tag
         return min(rows, planned)
 
     def optimizer_step(
