@@ -297,6 +297,29 @@ def test_batches_and_mid_epoch_state_are_torchdatas(shuffle: bool, drop_last: bo
     assert [_rows(b) for b in from_torchdata] == expected[2:]
 
 
+def test_whole_batches_drawn_one_index_at_a_time_are_shuffled_and_resumed_as_torchdatas() -> None:
+    """With ``batch_size=None`` the loader takes the shuffled order's indices one by one."""
+    dataset = [(torch.full((2, 3), float(i)), torch.full((2,), i)) for i in range(9)]  # each item a batch of 2
+
+    def loaders() -> tuple[StatefulDataLoader, eb.MicrobatchingDataLoader]:
+        torch.manual_seed(11)
+        plain = StatefulDataLoader(dataset, batch_size=None, shuffle=True)
+        torch.manual_seed(11)
+        return plain, eb.MicrobatchingDataLoader(dataset, batch_size=None, shuffle=True)
+
+    plain, elastic = loaders()
+    expected = [b[1][0].item() for b in plain]
+    assert [b.unwrap()[1][0].item() for b in elastic] == expected and sorted(expected) == list(range(9))
+    plain, elastic = loaders()
+    iterator = iter(elastic)
+    for _ in range(4):
+        next(iterator)
+    state = elastic.state_dict()
+    _, resumed = loaders()
+    resumed.load_state_dict(state)
+    assert [b.unwrap()[1][0].item() for b in resumed] == expected[4:]
+
+
 def test_workers_snapshot_their_state_every_32_batches_unless_told_otherwise() -> None:
     """Sent every batch, the workers' state costs ~5% of a cheap batch; a resume replays up to 31 instead."""
     assert eb.MicrobatchingDataLoader(_dataset(), batch_size=4).snapshot_every_n_steps == 32
