@@ -16,15 +16,18 @@ hand-written loops are what a careful user writes:
 ``ElasticStep`` instead runs every microbatch without a collective, then votes, then reduces
 in its own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the
 second step on; the first step's vote is a separate ``all_gather``), then the other buckets
-follow (one bucket for both models here); under FSDP2 the vote is an ``all_gather`` of 4
-numbers, then ``reduce_scatter``. Its cost is split into the vote ("vote ms": under DDP the
-first bucket's all-reduce with the vote in it) and the rest of the gradient sync (``prepare``
-+ ``reduce``), timed inside the step. The vote in a step also absorbs the wait for the slower
-rank (plain DDP waits in its last backward instead), so it is also timed alone, with the ranks
-arriving together ("vote alone"), and so is a separate ``all_gather`` vote ("all_gather
-vote"), the round trip that the fused vote saves under DDP and that FSDP2 still pays. The
-collectives an ElasticStep starts per DDP step are counted ("collectives/step": all-reduces
-and all-gathers, steady state). The DDP baseline's sync is estimated as the extra time of its last
+follow (one bucket for both models here); under FSDP2 the vote rides in the first
+``reduce_scatter`` (with the float32 gradients that fit in 1 MiB of each rank's part), then
+the others follow, after a gather check (an ``all_gather`` of 5 numbers) at the start of the
+step. Its cost is split into the vote ("vote ms": the collective with the vote in it) and the
+rest of the gradient sync (``prepare`` + ``reduce``), timed inside the step. The vote in a
+step also absorbs the wait for the slower rank (plain DDP waits in its last backward
+instead), so it is also timed alone, with the ranks arriving together ("vote alone": under
+FSDP2 a separate ``all_gather`` vote), and so is a separate ``all_gather`` vote ("all_gather
+vote"), the round trip that the fused vote saves. The collectives an ElasticStep starts per
+step are counted ("collectives/step": all-reduces, all-gathers and reduce-scatters, steady
+state; under FSDP2 the all-gathers include FSDP2's own of the parameters, one per module
+that ``fully_shard`` wraps). The DDP baseline's sync is estimated as the extra time of its last
 (synchronising) microbatch over the others. For FSDP2 the row "fsdp2 kept" gives the second
 baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over
 rounds that alternate which side runs first, each round (10 steps of the small model, one of
@@ -90,7 +93,7 @@ class _Timed:
 
     def __init__(self, sync: Any) -> None:
         self.totals = {"vote": 0.0, "sync": 0.0}
-        self.calls = {"all_reduce": 0, eb.distributed._ALL_GATHER: 0}
+        self.calls = {"all_reduce": 0, eb.distributed._ALL_GATHER: 0, eb.distributed._REDUCE_SCATTER: 0}
         for name, bucket in (("vote", "vote"), ("prepare", "sync"), ("reduce", "sync")):
             setattr(sync, name, self._timed(getattr(sync, name), bucket))
 
@@ -233,7 +236,7 @@ def _vote_alone(sync: Any, params: list[torch.Tensor] | None, calls: int = 50) -
 
 
 def _collectives_per_step(run: Callable[[], None], timed: _Timed, steps: int = 5) -> dict[str, float]:
-    """All-reduces and all-gathers that one ElasticStep starts per step, in steady state."""
+    """All-reduces, all-gathers and reduce-scatters per ElasticStep step, in steady state."""
     timed.calls = dict.fromkeys(timed.calls, 0)
     with timed.counting():
         for _ in range(steps):
@@ -277,11 +280,12 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 "elastic_sync_ms": 1e3 * in_steps["sync"] / calls,
                 "target": TARGET,
             }
+            collectives = _collectives_per_step(variants["elastic"], timed)
+            record["all_reduces_per_step"] = collectives["all_reduce"]
+            record["all_gathers_per_step"] = collectives[eb.distributed._ALL_GATHER]
+            record["reduce_scatters_per_step"] = collectives[eb.distributed._REDUCE_SCATTER]
             if ddp:
                 record["plain_sync_ms"] = 1e3 * statistics.median(probes["last_extra"])
-                collectives = _collectives_per_step(variants["elastic"], timed)
-                record["all_reduces_per_step"] = collectives["all_reduce"]
-                record["all_gathers_per_step"] = collectives[eb.distributed._ALL_GATHER]
             else:
                 kept = times["kept"]
                 record["kept_ms"] = 1e3 * statistics.median(kept) / steps
@@ -309,9 +313,8 @@ def main() -> None:
     rows = []
     for r in records:
         plain_sync = f"{r['plain_sync_ms']:.2f}" if "plain_sync_ms" in r else "n/a"
-        collectives = "n/a"
-        if "all_reduces_per_step" in r:
-            collectives = f"{r['all_reduces_per_step']:g} ar + {r['all_gathers_per_step']:g} ag"
+        counts = (r["all_reduces_per_step"], r["all_gathers_per_step"], r["reduce_scatters_per_step"])
+        collectives = "{:g} ar + {:g} ag + {:g} rs".format(*counts)
         rows.append(
             [r["model"], r["scheme"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}", f"{r['ratio']:.3f}",
              f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}", f"{r['all_gather_vote_ms']:.2f}",

@@ -46,15 +46,17 @@ __all__ = ["ERROR", "OK", "OOM", "GradientSync", "Outcome", "Verdict", "gradient
 
 OK, OOM, ERROR = 0, 1, 2
 _BUCKET_BYTES = 25 * 1024 * 1024
+_FUSED_BYTES = 1024 * 1024  # FSDP2: float32 gradients that ride with the vote, per rank's part
 _VOTE_WIDTH = 5  # values each rank contributes to one vote
 _VOTE_VALUES = 4  # status, size, total, and whether a trained parameter got no gradient here: the vote of an attempt
 # A fused vote carries each rank's four float64 as their 32 bytes, one byte (0..255) per
 # gradient element: exact in any of these dtypes, and exact in a sum where the other ranks add 0.
 _VOTE_BYTES = 8 * _VOTE_VALUES
 _BYTE_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# The vote's all-gather: torch 2.13 renamed all_gather_into_tensor (the old name warns); looked up
-# at each call, so that a test can count the calls.
+# The vote's all-gather and the gradients' reduce-scatter: torch 2.13 renamed all_gather_into_tensor
+# and reduce_scatter_tensor (the old names warn); looked up at each call, so that a test can count them.
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 class Verdict(NamedTuple):
@@ -208,6 +210,19 @@ class GradientSync:
 def _check_values(values: Sequence[float]) -> None:
     if len(values) > _VOTE_WIDTH - 1:
         raise ValueError(f"GradientSync.agree takes at most {_VOTE_WIDTH - 1} values, got {len(values)}")
+
+
+def _vote_slots(rank: int, world: int, values: Sequence[float]) -> bytes:
+    """Every rank's vote slot as bytes, zero but this rank's: what a rank adds to a vote that rides in a sum."""
+    slots = bytearray(world * _VOTE_BYTES)
+    slots[rank * _VOTE_BYTES : (rank + 1) * _VOTE_BYTES] = struct.pack(f"{_VOTE_VALUES}d", *values)
+    return bytes(slots)
+
+
+def _read_votes(summed: torch.Tensor, world: int) -> list[list[float]]:
+    """Every rank's vote values from the summed slots (one byte per element, as :func:`_vote_slots` wrote them)."""
+    values = struct.unpack(f"{world * _VOTE_VALUES}d", bytes(map(round, summed.tolist())))
+    return [list(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES]) for r in range(world)]
 
 
 class _HostWritten:
@@ -607,15 +622,11 @@ class _DistributedDataParallel(_Agreeing):
             plan.fill(0, self._parts[0], total / self._reference)
         else:
             plan.buckets[0].flat.zero_()
-        votes = bytearray(len(staging))  # zeros in the other ranks' slots
-        vote = struct.pack(f"{_VOTE_VALUES}d", status, size, total, self._used.flag)
-        votes[self.rank * _VOTE_BYTES : (self.rank + 1) * _VOTE_BYTES] = vote
-        staging.copy_(torch.frombuffer(votes, dtype=torch.uint8))  # to the plan's dtype on the host
+        slots = _vote_slots(self.rank, self.world_size, (status, size, total, self._used.flag))
+        staging.copy_(torch.frombuffer(slots, dtype=torch.uint8))  # to the plan's dtype on the host
         plan.vote.copy_(staging)
         dist.all_reduce(plan.fused, group=self.group)
-        raw = bytes(map(round, plan.vote.tolist()))
-        values = struct.unpack(f"{self.world_size * _VOTE_VALUES}d", raw)
-        return [list(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES]) for r in range(self.world_size)]
+        return _read_votes(plan.vote, self.world_size)
 
     def discard(self) -> None:
         self._parts, self._bucket0_factor, self._buffer_parts = None, None, []
@@ -669,13 +680,64 @@ class _ShardedGrad:
     row_numel: int = 1  # elements per row
 
 
+def _fill(send: torch.Tensor, e: _ShardedGrad) -> None:
+    """Copy ``e``'s unsharded gradient into its columns of ``send`` (a row per rank), each rank's rows in its row."""
+    assert e.full is not None
+    world = send.shape[0]
+    rows, width = e.sharded.shape[0], e.chunk_rows * e.row_numel
+    full = e.full.reshape(rows, e.row_numel)
+    if rows == world * e.chunk_rows:
+        send[:, e.offset : e.offset + width].copy_(full.view(world, width))
+        return
+    for r in range(world):
+        lo, hi = r * e.chunk_rows, min((r + 1) * e.chunk_rows, rows)
+        part = send[r, e.offset : e.offset + width]
+        filled = max(0, hi - lo) * e.row_numel
+        if filled:
+            part[:filled].view(hi - lo, e.row_numel).copy_(full[lo:hi])
+        part[filled:].zero_()
+
+
+class _FusedVote:
+    """The buffers of FSDP2's first reduce-scatter, kept for the run: each rank's part holds the votes, then gradients.
+
+    Every rank writes its vote into its slot in every rank's part (zeros elsewhere), so the
+    reduce-scatter hands each rank all the votes. A rank whose attempt failed sends what the
+    buffer holds in place of gradients (the others discard the result): nothing is allocated.
+    """
+
+    def __init__(self, world: int, numel: int, device: str) -> None:
+        self.world, self.numel = world, numel
+        slots = world * _VOTE_BYTES
+        self.send = torch.zeros(world, slots + numel, dtype=torch.float32, device=device)
+        self.receive = torch.zeros(slots + numel, dtype=torch.float32, device=device)
+        self._staging = torch.zeros(world, slots, dtype=torch.float32)  # on the host
+
+    def parts(self) -> torch.Tensor:
+        """The gradient columns of every rank's part (a view: fill it before :meth:`exchange`)."""
+        return self.send[:, self.world * _VOTE_BYTES :]
+
+    def exchange(self, slots: bytes, group: dist.ProcessGroup | None) -> list[list[float]]:
+        """Send the vote slots with the gradients; every rank's vote values."""
+        self._staging.copy_(torch.frombuffer(slots, dtype=torch.uint8))  # the same slots in every rank's part
+        self.send[:, : self.world * _VOTE_BYTES].copy_(self._staging)
+        getattr(dist, _REDUCE_SCATTER)(self.receive, self.send.view(-1), group=group)
+        return _read_votes(self.receive[: self.world * _VOTE_BYTES], self.world)
+
+    def received(self) -> torch.Tensor:
+        """This rank's part of the reduced gradients, after :meth:`exchange`."""
+        return self.receive[self.world * _VOTE_BYTES :]
+
+
 class _FullyShard(_Agreeing):
-    """FSDP2 (``fully_shard``): all-gather once, no collective in the microbatches, reduce-scatter after the vote.
+    """FSDP2 (``fully_shard``): all-gather once, no collective in the microbatches, the vote in a reduce-scatter.
 
     Memory: while the microbatches run, every FSDP2 module's parameters are unsharded at once
     and the gradients accumulate unsharded (what DDP holds); after the last microbatch the
     parameters are resharded, and the reduction takes one bucket of ``world_size x 25 MiB``
-    plus this rank's sharded gradients.
+    plus this rank's sharded gradients. The first reduce-scatter, which carries the vote,
+    goes through buffers kept for the whole run (``world_size x`` at most 1 MiB, float32),
+    so that a rank whose attempt failed joins it without allocating.
     """
 
     replicated = False
@@ -721,6 +783,11 @@ class _FullyShard(_Agreeing):
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
         self._used = _UsedMap(self.device, self.group)
+        # The vote's reduce-scatter: each rank's part is the vote slots, then float32 gradients.
+        self._fused: _FusedVote | None = None  # allocated by the first gather check, kept
+        self._fused_grads: list[_ShardedGrad] = []  # this attempt's gradients that ride with the vote
+        self._fused_factor: float | None = None  # after a vote that fitted: theirs still to apply
+        self._reference = 1.0  # the last grand total: those gradients are pre-scaled by total_r / reference
 
     def _flags(self) -> list[tuple[Any, Any, bool, Any, bool, tuple[bool, bool]]]:
         """FSDP2's per-group settings that ``microbatches`` changes, to restore them after."""
@@ -749,10 +816,21 @@ class _FullyShard(_Agreeing):
         status = OK
         try:
             self.root._get_fsdp_state()._lazy_init()  # settles the all-gather dtypes (mixed precision)
+            if self._fused is None:
+                self._fused = _FusedVote(self.world_size, self._fused_numel(), self.mesh.device_type)
             torch.empty(self._gather_bytes(), dtype=torch.uint8, device=self._params[0].sharded_param.to_local().device)
         except Exception as err:  # noqa: BLE001 - any failure is told to the peers, which must not wait for it
             status = OOM if is_oom_error(err) else ERROR
         return self.agree(status)
+
+    def _fused_numel(self) -> int:
+        """Float32 gradient elements in each rank's part of the vote's reduce-scatter: 1 MiB, or all there are."""
+        parts = 0
+        for fp in self._params:  # a gradient accumulates in the reduction dtype (mixed precision), if any
+            if (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype) == torch.float32:
+                rows = fp.sharded_param.shape[0]
+                parts += -(-rows // self.world_size) * (fp.sharded_param.numel() // rows if rows else 0)
+        return min(_FUSED_BYTES // 4, parts)
 
     def _gather_bytes(self) -> int:
         total, largest = 0, 0
@@ -822,11 +900,19 @@ class _FullyShard(_Agreeing):
                     f"expected torch.chunk's {expected}: this FSDP2 layout is not supported"
                 )
             grads.append(entry)
+        assert self._fused is not None  # allocated by the gather check before every attempt
+        fused, room = [], self._fused.numel
         buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
         largest: dict[torch.dtype, int] = {}
         by_dtype: dict[torch.dtype, list[_ShardedGrad]] = {}
         for entry in grads:
             assert entry.full is not None
+            width = entry.chunk_rows * entry.row_numel
+            if entry.full.dtype == torch.float32 and width <= room:  # rides with the vote
+                entry.offset = self._fused.numel - room
+                room -= width
+                fused.append(entry)
+                continue
             by_dtype.setdefault(entry.full.dtype, []).append(entry)
         for dtype, entries in by_dtype.items():
             segments = [e.chunk_rows * e.row_numel for e in entries]
@@ -846,47 +932,56 @@ class _FullyShard(_Agreeing):
             for dtype, n in largest.items()
         }
         self._used.record(used)
-        self._grads, self._buckets = grads, buckets
+        self._grads, self._buckets, self._fused_grads = grads, buckets, fused
 
     def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
-        rows = self._exchange((status, size, total, self._used.flag if params is not None else 0.0))
+        if params is None:  # no gradients to reduce (evaluation): the vote alone
+            return super().vote(status, size, total)
+        fused = self._fused
+        assert fused is not None
+        parts = fused.parts()
+        if status == OK:  # pre-scaled by total_r / reference: the grand total is known only after the vote
+            for entry in self._fused_grads:
+                _fill(parts, entry)
+            if total != self._reference:
+                parts.mul_(total / self._reference)
+        slots = _vote_slots(self.rank, self.world_size, (status, size, total, self._used.flag))
+        rows = fused.exchange(slots, self.group)
         verdict = _verdict(rows, total)
         self._used.learn(verdict.status, rows)
+        grand_total = math.fsum(r[2] for r in rows)
+        if verdict.status == OK:
+            self._fused_factor = self._reference / grand_total if grand_total else 0.0
+        if grand_total:
+            self._reference = grand_total
         return verdict
 
     def discard(self) -> None:
         self._drop_unsharded_grads()
-        self._grads, self._buckets, self._buffers = None, [], {}
+        self._grads, self._buckets, self._buffers, self._fused_grads = None, [], {}, []
+        self._fused_factor = None
         self._used.reset()
 
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         from torch.distributed.tensor import DTensor
 
-        if self._grads is None:
-            self.prepare(params)
-        assert self._grads is not None
+        assert self._grads is not None and self._fused is not None and self._fused_factor is not None
+        received = self._fused.received()
+        for e in self._fused_grads:  # reduced with the vote
+            assert e.local is not None
+            e.local.view(-1).copy_(received[e.offset : e.offset + e.local.numel()])
+            if self._fused_factor != 1.0:
+                e.local.mul_(self._fused_factor)
         world = self.world_size
         for dtype, entries, segment in self._buckets:
             send_buffer, receive_buffer = self._buffers[dtype]
             send = send_buffer[: world * segment].view(world, segment)
             for e in entries:
-                assert e.full is not None
-                rows, width = e.sharded.shape[0], e.chunk_rows * e.row_numel
-                full = e.full.reshape(rows, e.row_numel)
-                if rows == world * e.chunk_rows:
-                    send[:, e.offset : e.offset + width].copy_(full.view(world, width))
-                    continue
-                for r in range(world):
-                    lo, hi = r * e.chunk_rows, min((r + 1) * e.chunk_rows, rows)
-                    part = send[r, e.offset : e.offset + width]
-                    filled = max(0, hi - lo) * e.row_numel
-                    if filled:
-                        part[:filled].view(hi - lo, e.row_numel).copy_(full[lo:hi])
-                    part[filled:].zero_()
+                _fill(send, e)
             if scale != 1.0:
                 send.mul_(scale)
             receive = receive_buffer[:segment]
-            _reduce_scatter(receive, send.view(-1), group=self.group)
+            getattr(dist, _REDUCE_SCATTER)(receive, send.view(-1), group=self.group)
             for e in entries:
                 assert e.local is not None
                 e.local.view(-1).copy_(receive[e.offset : e.offset + e.local.numel()])
@@ -901,9 +996,6 @@ class _FullyShard(_Agreeing):
                     stride=e.sharded.stride(),
                 )  # fmt: skip
         self.discard()
-
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _param_groups(module: nn.Module) -> list[Any]:

@@ -358,9 +358,9 @@ def _unused_collectives(rank: int, world: int) -> list[dict[str, int]]:
 
 def test_ddp_an_unused_parameter_costs_one_all_reduce_only_in_the_steps_that_leave_one(ranks: RankPool) -> None:
     for first, fused, all_used in ranks.run(_unused_collectives, timeout=60):
-        assert first == {"all_reduce": 1 + 1, GATHER: 1, "all_gather": 0, "broadcast": 0}  # bucket, unused map
-        assert fused == {"all_reduce": 1 + 1, GATHER: 0, "all_gather": 0, "broadcast": 0}  # the vote rides in it
-        assert all_used == {"all_reduce": 1, GATHER: 0, "all_gather": 0, "broadcast": 0}
+        assert first == {"all_reduce": 1 + 1, GATHER: 1, "all_gather": 0, "broadcast": 0, SCATTER: 0}  # + unused map
+        assert fused == {"all_reduce": 1 + 1, GATHER: 0, "all_gather": 0, "broadcast": 0, SCATTER: 0}  # vote in it
+        assert all_used == {"all_reduce": 1, GATHER: 0, "all_gather": 0, "broadcast": 0, SCATTER: 0}
 
 
 # -- what ElasticStep does not support: a clear error on every rank, no hang -----------------------
@@ -703,21 +703,30 @@ def test_controller_state_is_the_same_on_every_rank_and_resumes_without_oom(rank
 # -- FSDP2 with mixed precision, and forward-only stages ------------------------------------------
 
 
-def _mixed_precision(rank: int, world: int) -> float:
-    """bf16 parameters, fp32 reduction: the accumulated gradients live in FSDP2's fp32 buffer."""
+def _mixed_precision(rank: int, world: int, reduce_dtype: torch.dtype) -> tuple[float, int]:
+    """bf16 parameters, fp32 or bf16 reduction; the gradients' error and the step's reduce-scatters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     model = _distribute("fsdp", _plain_model(), mp_policy=policy)
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
-    with inject_oom(model, phase="forward", calls=1, rank=1):
+    with inject_oom(model, phase="forward", calls=1, rank=1), _counting_collectives() as counts:
         step.backward(_batch(0, rank, 12), lambda mb: nn.functional.mse_loss(model(mb[0]).float(), mb[1]))
-    return _relative_error(_full(p.grad for p in model.parameters()), _reference_grads([12, 12], 0))
+    error = _relative_error(_full(p.grad.float() for p in model.parameters()), _reference_grads([12, 12], 0))
+    return error, counts[SCATTER]
 
 
-def test_fsdp2_mixed_precision_with_an_oom(ranks: RankPool) -> None:
-    errors = ranks.run(_mixed_precision, timeout=60)
+# fp32 reduction: the accumulated gradients live in FSDP2's fp32 buffer and ride with the vote (one
+# reduce-scatter an attempt). bf16: the vote goes alone, then one bucket of bf16 gradients.
+MIXED = {"fp32-reduce": (torch.float32, 1 + 1), "bf16-reduce": (torch.bfloat16, 1 + 2)}
+
+
+@pytest.mark.parametrize(("reduce_dtype", "scatters"), list(MIXED.values()), ids=list(MIXED))
+def test_fsdp2_mixed_precision_with_an_oom(ranks: RankPool, reduce_dtype: torch.dtype, scatters: int) -> None:
+    results = ranks.run(_mixed_precision, reduce_dtype, timeout=60)
+    errors = [error for error, _ in results]  # about 2e-3 with either reduction
     assert all(error <= 1e-2 for error in errors), f"bf16 forward: relative gradient errors {errors}"
+    assert [count for _, count in results] == [scatters, scatters]  # the failed attempt's vote, then the retry's
 
 
 def _evaluate(rank: int, world: int, kind: str) -> dict[str, Any]:
@@ -741,7 +750,8 @@ def test_evaluate_with_an_oom_on_one_rank(ranks: RankPool, kind: str) -> None:
 # -- DDP: the vote inside the first bucket's all-reduce ---------------------------------------------
 
 GATHER = distributed._ALL_GATHER  # the vote's all-gather
-_COUNTED = ("all_reduce", GATHER, "all_gather", "broadcast")
+SCATTER = distributed._REDUCE_SCATTER  # FSDP2's gradient reduce-scatter
+_COUNTED = ("all_reduce", GATHER, "all_gather", "broadcast", SCATTER)
 
 
 @contextlib.contextmanager
@@ -818,9 +828,9 @@ def test_ddp_fuses_the_vote_into_the_first_bucket_from_the_second_step(
         buckets = result["buckets"]
         assert buckets == (1 if bucket_bytes is None else 4)  # 401 float32 gradients, 128 to a bucket of 512 bytes
         first, *steady = result["per_step"]
-        assert first == {"all_reduce": buckets, GATHER: 1, "all_gather": 0, "broadcast": 0}
+        assert first == {"all_reduce": buckets, GATHER: 1, "all_gather": 0, "broadcast": 0, SCATTER: 0}
         for counts in steady:  # the vote rides in the first bucket: no collective of its own
-            assert counts == {"all_reduce": buckets, GATHER: 0, "all_gather": 0, "broadcast": 0}
+            assert counts == {"all_reduce": buckets, GATHER: 0, "all_gather": 0, "broadcast": 0, SCATTER: 0}
 
 
 FUSED_OOM_PLANS = {
@@ -847,6 +857,75 @@ def test_ddp_a_rank_that_failed_joins_the_fused_all_reduce(
         # two fused attempts (the failed one: the first bucket only) and one small collective after the OOM
         assert failed[GATHER] == 1
         assert failed["all_reduce"] == 1 + result["buckets"]
+
+
+# -- FSDP2: the vote inside the first reduce-scatter -------------------------------------------------
+
+
+def _fsdp_fused(rank: int, world: int, plan: list[Any], fused_bytes: int) -> dict[str, Any]:
+    """3 FSDP2 steps of split 3 (gradients riding with the vote: at most ``fused_bytes`` a rank); collectives a step."""
+    saved = distributed._FUSED_BYTES
+    distributed._FUSED_BYTES = fused_bytes
+    try:
+        model = _distribute("fsdp", _plain_model())
+        controller = eb.SplitController(split_count=3)
+        step = eb.ElasticStep(model, controller=controller)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        handles = _injections(model, plan)
+        per_step = []
+        for i in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            with _counting_collectives() as counts:
+                step.backward(_batch(i, rank, 12), _loss_fn(model))
+            optimizer.step()
+            per_step.append(counts)
+        fired = [h.fired for h in handles]
+        assert isinstance(step.sync, distributed._FullyShard)
+        groups = sum(len(distributed._param_groups(module)) for module in step.sync.modules)
+    finally:
+        distributed._FUSED_BYTES = saved
+    return {
+        "error": _relative_error(_full(model.parameters()), _reference([12, 12], 3)),
+        "per_step": per_step,
+        "fired": fired,
+        "count": controller.split_count,
+        "unshards": groups,  # FSDP2's own all-gathers in an attempt: one per parameter group
+    }
+
+
+# Each rank's part of _plain_model's gradients: 8x6 + 8 + 8x16 + 8 + 1x16 + 1 = 209 float32. All ride
+# with the vote, or only what fits in 256 bytes (the first weight and two biases, in order of the
+# parameters; the others go in one bucket after the vote).
+FSDP_FUSED = {"all-in-the-vote": (1024 * 1024, 1), "some-in-the-vote": (256, 2)}
+
+
+@pytest.mark.parametrize(("fused_bytes", "scatters"), list(FSDP_FUSED.values()), ids=list(FSDP_FUSED))
+def test_fsdp2_runs_one_small_collective_a_step_and_votes_in_the_reduce_scatter(
+    ranks: RankPool, fused_bytes: int, scatters: int
+) -> None:
+    for result in ranks.run(_fsdp_fused, [], fused_bytes, timeout=60):
+        assert result["error"] <= RTOL
+        gathers = 1 + result["unshards"]  # the gather check, then FSDP2's own all-gathers
+        for counts in result["per_step"]:
+            assert counts == {"all_reduce": 0, GATHER: gathers, "all_gather": 0, "broadcast": 0, SCATTER: scatters}
+
+
+@pytest.mark.parametrize(("fused_bytes", "scatters"), list(FSDP_FUSED.values()), ids=list(FSDP_FUSED))
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_fsdp2_a_rank_that_failed_joins_the_vote_in_the_reduce_scatter(
+    ranks: RankPool, phase: str, fused_bytes: int, scatters: int
+) -> None:
+    plan = [(phase, "model" if phase == "forward" else "first", [4], 1)]  # step 1's second microbatch, rank 1
+    results = ranks.run(_fsdp_fused, plan, fused_bytes, timeout=60)
+    assert [sum(r["fired"]) for r in results] == [0, 1]
+    assert results[0]["count"] == results[1]["count"] > 3
+    for result in results:
+        assert result["error"] <= RTOL
+        failed = result["per_step"][1]
+        # each attempt: its gather check, FSDP2's all-gathers and the vote's reduce-scatter (the failed
+        # attempt: that one only); between them, the small collective after an OOM
+        assert failed[GATHER] == 2 * (1 + result["unshards"]) + 1
+        assert failed[SCATTER] == 1 + scatters and failed["all_reduce"] == 0
 
 
 def _first_plan_fails(rank: int, world: int) -> dict[str, Any]:
