@@ -14,7 +14,9 @@ The protocol (``docs/distributed.md`` walks through it on two ranks):
    every rank holds the persistent buffer of the first gradient bucket (confirmed by the first
    step's vote), the vote travels in that bucket's ``all_reduce``: each rank's gradients
    pre-scaled by its total, its vote in its own slot (a rank that failed sends zeros and its
-   vote). Otherwise (the first step, FSDP2, a plain module, ``evaluate``) the vote is a small
+   vote). Under FSDP2 it travels in the first ``reduce_scatter``, whose buffers the first
+   gather check allocated and every later step keeps (each rank's vote in every rank's part).
+   Otherwise (DDP's first step, a plain module, ``evaluate``) the vote is a small
    ``all_gather`` of its own.
 4. If any rank failed, every rank throws the attempt's gradients away (``discard``) and
    either retries with the same new split count or raises. Otherwise the gradients become the
