@@ -48,7 +48,8 @@ __all__ = ["ERROR", "OK", "OOM", "GradientSync", "Outcome", "Verdict", "gradient
 
 OK, OOM, ERROR = 0, 1, 2
 _BUCKET_BYTES = 25 * 1024 * 1024
-_FUSED_BYTES = 1024 * 1024  # FSDP2: float32 gradients that ride with the vote, per rank's part
+_FUSED_BYTES = 1024 * 1024  # FSDP2: gradients that ride with the vote, as float32, per rank's part
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # gradients float32 holds exactly
 _VOTE_WIDTH = 5  # values each rank contributes to one vote
 _VOTE_VALUES = 4  # status, size, total, and whether a trained parameter got no gradient here: the vote of an attempt
 # A fused vote carries each rank's four float64 as their 32 bytes, one byte (0..255) per
@@ -738,8 +739,9 @@ class _FullyShard(_Agreeing):
     and the gradients accumulate unsharded (what DDP holds); after the last microbatch the
     parameters are resharded, and the reduction takes one bucket of ``world_size x 25 MiB``
     plus this rank's sharded gradients. The first reduce-scatter, which carries the vote,
-    goes through buffers kept for the whole run (``world_size x`` at most 1 MiB, float32),
-    so that a rank whose attempt failed joins it without allocating.
+    goes through buffers kept for the whole run (``world_size x`` at most 1 MiB, float32: the
+    bf16 and fp16 gradients in it are summed in float32), so that a rank whose attempt failed
+    joins it without allocating.
     """
 
     replicated = False
@@ -826,10 +828,10 @@ class _FullyShard(_Agreeing):
         return self.agree(status)
 
     def _fused_numel(self) -> int:
-        """Float32 gradient elements in each rank's part of the vote's reduce-scatter: 1 MiB, or all there are."""
+        """Gradient elements in each rank's part of the vote's reduce-scatter: 1 MiB of float32, or all there are."""
         parts = 0
         for fp in self._params:  # a gradient accumulates in the reduction dtype (mixed precision), if any
-            if (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype) == torch.float32:
+            if (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype) in _FUSED_DTYPES:
                 rows = fp.sharded_param.shape[0]
                 parts += -(-rows // self.world_size) * (fp.sharded_param.numel() // rows if rows else 0)
         return min(_FUSED_BYTES // 4, parts)
@@ -910,7 +912,7 @@ class _FullyShard(_Agreeing):
         for entry in grads:
             assert entry.full is not None
             width = entry.chunk_rows * entry.row_numel
-            if entry.full.dtype == torch.float32 and width <= room:  # rides with the vote
+            if entry.full.dtype in _FUSED_DTYPES and width <= room:  # rides with the vote, summed in float32
                 entry.offset = self._fused.numel - room
                 room -= width
                 fused.append(entry)
@@ -969,11 +971,11 @@ class _FullyShard(_Agreeing):
 
         assert self._grads is not None and self._fused is not None and self._fused_factor is not None
         received = self._fused.received()
+        if self._fused_factor != 1.0:
+            received.mul_(self._fused_factor)  # in float32, before a bf16 or fp16 gradient is rounded
         for e in self._fused_grads:  # reduced with the vote
             assert e.local is not None
             e.local.view(-1).copy_(received[e.offset : e.offset + e.local.numel()])
-            if self._fused_factor != 1.0:
-                e.local.mul_(self._fused_factor)
         world = self.world_size
         for dtype, entries, segment in self._buckets:
             send_buffer, receive_buffer = self._buffers[dtype]
