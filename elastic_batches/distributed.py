@@ -215,11 +215,14 @@ def _check_values(values: Sequence[float]) -> None:
         raise ValueError(f"GradientSync.agree takes at most {_VOTE_WIDTH - 1} values, got {len(values)}")
 
 
-def _vote_slots(rank: int, world: int, values: Sequence[float]) -> bytes:
-    """Every rank's vote slot as bytes, zero but this rank's: what a rank adds to a vote that rides in a sum."""
+def _vote_slots(rank: int, world: int, values: Sequence[float]) -> bytearray:
+    """Every rank's vote slot as bytes, zero but this rank's: what a rank adds to a vote that rides in a sum.
+
+    Writable, as ``torch.frombuffer`` wants its buffer (it warns about a read-only one).
+    """
     slots = bytearray(world * _VOTE_BYTES)
     slots[rank * _VOTE_BYTES : (rank + 1) * _VOTE_BYTES] = struct.pack(f"{_VOTE_VALUES}d", *values)
-    return bytes(slots)
+    return slots
 
 
 def _read_votes(summed: torch.Tensor, world: int) -> list[list[float]]:
@@ -720,7 +723,7 @@ class _FusedVote:
         """The gradient columns of every rank's part (a view: fill it before :meth:`exchange`)."""
         return self.send[:, self.world * _VOTE_BYTES :]
 
-    def exchange(self, slots: bytes, group: dist.ProcessGroup | None) -> list[list[float]]:
+    def exchange(self, slots: bytearray, group: dist.ProcessGroup | None) -> list[list[float]]:
         """Send the vote slots with the gradients; every rank's vote values."""
         self._staging.copy_(torch.frombuffer(slots, dtype=torch.uint8))  # the same slots in every rank's part
         self.send[:, : self.world * _VOTE_BYTES].copy_(self._staging)

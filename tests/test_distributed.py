@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -922,6 +923,21 @@ def test_fsdp2_a_rank_that_failed_joins_the_vote_in_the_reduce_scatter(
         # attempt: that one only); between them, the small collective after an OOM
         assert failed[GATHER] == 2 * (1 + result["unshards"]) + 1
         assert failed[SCATTER] == 1 + scatters and failed["all_reduce"] == 0
+
+
+def _library_warnings(rank: int, world: int) -> list[str]:
+    """The warnings raised from this library's code during DDP and FSDP2 steps with an OOM on rank 1."""
+    oom = [("backward", "first", [4], 1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fused(rank, world, oom, [12, 12])  # every DDP vote: apart, in the first bucket, after an OOM
+        _fsdp_fused(rank, world, oom, 1024 * 1024)  # FSDP2's gather checks and votes in the reduce-scatter
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "elastic_batches" in w.filename]
+
+
+def test_the_collectives_raise_no_warning(ranks: RankPool) -> None:
+    """Every user would see them: deprecated collectives (torch 2.13), a read-only buffer given to torch."""
+    assert ranks.run(_library_warnings, timeout=60) == [[], []]
 
 
 def _first_plan_fails(rank: int, world: int) -> dict[str, Any]:
