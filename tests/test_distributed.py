@@ -784,34 +784,41 @@ def _bucket_bytes(nbytes: int | None) -> Iterator[None]:
         distributed._BUCKET_BYTES = saved
 
 
+def _counted_steps(
+    rank: int, kind: str, plan: list[Any], rows: list[int]
+) -> tuple[nn.Module, eb.ElasticStep, list[dict[str, int]], list[int]]:
+    """3 steps of split 3 with the OOMs of ``plan``; the model, the step, each step's collectives, the OOMs fired."""
+    model = _distribute(kind, _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    handles = _injections(model, plan)
+    per_step = []
+    for i in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        with _counting_collectives() as counts:
+            step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
+        optimizer.step()
+        per_step.append(counts)
+    fired = [h.fired for h in handles]
+    for h in handles:
+        h.remove()
+    return model, step, per_step, fired
+
+
 def _fused(rank: int, world: int, plan: list[Any], rows: list[int], bucket_bytes: int | None = None) -> dict[str, Any]:
     """3 DDP steps of split 3; the collectives each step started, the weights' error and the controller."""
     with _bucket_bytes(bucket_bytes):
-        model = _distribute("ddp", _plain_model())
-        controller = eb.SplitController(split_count=3)
-        step = eb.ElasticStep(model, controller=controller)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        handles = _injections(model, plan)
-        per_step = []
-        for i in range(3):
-            optimizer.zero_grad(set_to_none=True)
-            with _counting_collectives() as counts:
-                step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
-            optimizer.step()
-            per_step.append(counts)
-        fired = [h.fired for h in handles]
-        for h in handles:
-            h.remove()
-        assert isinstance(step.sync, distributed._DistributedDataParallel)
-        sync_plan = step.sync._plan
-        assert sync_plan is not None
+        model, step, per_step, fired = _counted_steps(rank, "ddp", plan, rows)
+    assert isinstance(step.sync, distributed._DistributedDataParallel)
+    sync_plan = step.sync._plan
+    assert sync_plan is not None
     return {
         "error": _relative_error(_full(model.parameters()), _reference(rows, 3)),
         "per_step": per_step,
         "buckets": len(sync_plan.buckets),
         "fired": fired,
-        "counts": [controller.split_count],
-        "state": controller.state_dict(),
+        "counts": [step.controller.split_count],
+        "state": step.controller.state_dict(),
     }
 
 
@@ -864,29 +871,17 @@ def _fsdp_fused(rank: int, world: int, plan: list[Any], fused_bytes: int) -> dic
     saved = distributed._FUSED_BYTES
     distributed._FUSED_BYTES = fused_bytes
     try:
-        model = _distribute("fsdp", _plain_model())
-        controller = eb.SplitController(split_count=3)
-        step = eb.ElasticStep(model, controller=controller)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        handles = _injections(model, plan)
-        per_step = []
-        for i in range(3):
-            optimizer.zero_grad(set_to_none=True)
-            with _counting_collectives() as counts:
-                step.backward(_batch(i, rank, 12), _loss_fn(model))
-            optimizer.step()
-            per_step.append(counts)
-        fired = [h.fired for h in handles]
-        assert isinstance(step.sync, distributed._FullyShard)
-        groups = sum(len(distributed._param_groups(module)) for module in step.sync.modules)
+        model, step, per_step, fired = _counted_steps(rank, "fsdp", plan, [12, 12])
     finally:
         distributed._FUSED_BYTES = saved
+    assert isinstance(step.sync, distributed._FullyShard)
     return {
         "error": _relative_error(_full(model.parameters()), _reference([12, 12], 3)),
         "per_step": per_step,
         "fired": fired,
-        "count": controller.split_count,
-        "unshards": groups,  # FSDP2's own all-gathers in an attempt: one per parameter group
+        "count": step.controller.split_count,
+        # FSDP2's own all-gathers in an attempt: one per parameter group
+        "unshards": sum(len(distributed._param_groups(module)) for module in step.sync.modules),
     }
 
 
