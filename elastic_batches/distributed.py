@@ -717,7 +717,10 @@ class _FusedVote:
         slots = world * _VOTE_BYTES
         self.send = torch.zeros(world, slots + numel, dtype=torch.float32, device=device)
         self.receive = torch.zeros(slots + numel, dtype=torch.float32, device=device)
-        self._staging = torch.zeros(world, slots, dtype=torch.float32)  # on the host
+        # This rank's slots: written on the host, copied whole to the device (no temporary there), then
+        # into every rank's part on the device.
+        self._host = torch.zeros(slots, dtype=torch.float32)
+        self._slots = self._host if self.send.device.type == "cpu" else torch.zeros_like(self._host, device=device)
 
     def parts(self) -> torch.Tensor:
         """The gradient columns of every rank's part (a view: fill it before :meth:`exchange`)."""
@@ -725,8 +728,10 @@ class _FusedVote:
 
     def exchange(self, slots: bytearray, group: dist.ProcessGroup | None) -> list[list[float]]:
         """Send the vote slots with the gradients; every rank's vote values."""
-        self._staging.copy_(torch.frombuffer(slots, dtype=torch.uint8))  # the same slots in every rank's part
-        self.send[:, : self.world * _VOTE_BYTES].copy_(self._staging)
+        self._host.copy_(torch.frombuffer(slots, dtype=torch.uint8))
+        if self._slots is not self._host:
+            self._slots.copy_(self._host)
+        self.send[:, : self.world * _VOTE_BYTES].copy_(self._slots.expand(self.world, -1))
         getattr(dist, _REDUCE_SCATTER)(self.receive, self.send.view(-1), group=group)
         return _read_votes(self.receive[: self.world * _VOTE_BYTES], self.world)
 
