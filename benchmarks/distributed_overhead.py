@@ -17,18 +17,18 @@ hand-written loops are what a careful user writes:
 in its own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the
 second step on; the first step's vote is a separate ``all_gather``), then the other buckets
 follow (one bucket for both models here); under FSDP2 the vote rides in the first
-``reduce_scatter`` (with the float32 gradients that fit in 1 MiB of each rank's part), then
-the others follow, after a gather check (an ``all_gather`` of 5 numbers) at the start of the
-step. Its cost is split into the vote ("vote ms": the collective with the vote in it) and the
-rest of the gradient sync (``prepare`` + ``reduce``), timed inside the step. The vote in a
+``reduce_scatter`` (with the gradients that fit in 1 MiB of float32 in each rank's part),
+then the others follow, after a gather check (an ``all_gather`` of 5 numbers) at the start of
+the step. Its cost is split into the vote ("vote ms": the collective with the vote in it) and
+the rest of the gradient sync (``prepare`` + ``reduce``), timed inside the step. The vote in a
 step also absorbs the wait for the slower rank (plain DDP waits in its last backward
-instead), so it is also timed alone, with the ranks arriving together ("vote alone": under
-FSDP2 a separate ``all_gather`` vote), and so is a separate ``all_gather`` vote ("all_gather
-vote"), the round trip that the fused vote saves. The collectives an ElasticStep starts per
-step are counted ("collectives/step": all-reduces, all-gathers and reduce-scatters, steady
-state; under FSDP2 the all-gathers include FSDP2's own of the parameters, one per module
-that ``fully_shard`` wraps). The DDP baseline's sync is estimated as the extra time of its last
-(synchronising) microbatch over the others. For FSDP2 the row "fsdp2 kept" gives the second
+instead), so it is also timed alone, with the ranks arriving together ("vote alone"), and so
+is a separate ``all_gather`` vote ("all_gather vote"), the round trip that the fused vote
+saves. The collectives an ElasticStep starts per step are counted ("collectives/step":
+all-reduces, all-gathers and reduce-scatters, steady state; under FSDP2 the all-gathers
+include FSDP2's own of the parameters, one per module that ``fully_shard`` wraps). The DDP
+baseline's sync is estimated as the extra time of its last (synchronising) microbatch over
+the others. For FSDP2 the row "fsdp2 kept" gives the second
 baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over
 rounds that alternate which side runs first, each round (10 steps of the small model, one of
 the medium one) bracketed by a barrier and timed as the slower rank's, reported per step. The
@@ -217,9 +217,9 @@ def _repeated(fn: Callable[[], None], steps: int) -> Callable[[], None]:
 def _vote_alone(sync: Any, params: list[torch.Tensor] | None, calls: int = 50) -> float:
     """Seconds per vote when the ranks arrive together: its own latency, without waiting for a slower rank.
 
-    With ``params``, the vote of a backward (under DDP: the first bucket's all-reduce, which
-    carries it), between a ``prepare`` and a ``discard`` that are not timed; without, a separate
-    ``all_gather`` vote.
+    With ``params``, the vote of a backward (the first bucket's all-reduce under DDP, the first
+    reduce-scatter under FSDP2, which carry it), between a ``prepare`` and a ``discard`` that are
+    not timed; without, a separate ``all_gather`` vote.
     """
     spent = 0.0
     dist.barrier()
@@ -260,7 +260,7 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
             times = _measure(rank, {variant: _repeated(fn, steps) for variant, fn in variants.items()})
             in_steps = dict(timed.totals)  # before the probes below call the timed methods again
             ddp = kind == "ddp"
-            vote_alone = _vote_alone(probes["sync"], probes["params"] if ddp else None)
+            vote_alone = _vote_alone(probes["sync"], probes["params"])
             all_gather_vote = _vote_alone(probes["sync"], None)
             calls = (ROUNDS + 1) * steps  # the warm-up ran once too
             plain = statistics.median(times["plain"]) / steps
