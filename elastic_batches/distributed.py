@@ -795,7 +795,7 @@ class _FullyShard(_Agreeing):
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
         self._used = _UsedMap(self.device, self.group)
-        # The vote's reduce-scatter: each rank's part is the vote slots, then float32 gradients.
+        # The vote's reduce-scatter: each rank's part is the vote slots, then gradients (in float32).
         self._fused: _FusedVote | None = None  # allocated by the first gather check, kept
         self._fused_grads: list[_ShardedGrad] = []  # this attempt's gradients that ride with the vote
         self._fused_factor: float | None = None  # after a vote that fitted: theirs still to apply
