@@ -1,6 +1,7 @@
 """Distributed overhead: ``ElasticStep`` under DDP and FSDP2 against hand-written accumulation at the same split.
 
-Two gloo ranks on the CPU (spawned, ``file://`` rendezvous), one torch thread each. Every
+Two gloo ranks on the CPU (spawned, ``file://`` rendezvous), one torch thread each, then one
+rank alone (``torchrun --nproc-per-node 1``, or Lightning's ``strategy="ddp"`` on one device). Every
 step, on both sides: forward and backward of the rank's batch in ``SPLIT`` balanced
 microbatches weighted by their rows, the batch's loss summed from them (detached, as a loop
 logs it), gradient synchronisation once, ``SGD.step`` and ``zero_grad(set_to_none=True)``. The
@@ -33,6 +34,11 @@ baseline's time, and in the ratio column ElasticStep's time over it. Times are m
 rounds that alternate which side runs first, each round (10 steps of the small model, one of
 the medium one) bracketed by a barrier and timed as the slower rank's, reported per step. The
 machine may be shared: rerun before trusting a ratio near the target.
+
+On one rank nothing is agreed on: ``ElasticStep`` runs DDP's microbatches under ``no_sync``
+and reduces nothing (its "vote" and "sync" columns are then Python only), and FSDP2's as on
+two ranks; the hand-written loops are the same as above (DDP's reducer still copies and
+all-reduces the last microbatch's gradients, with no peer).
 
 Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds).
 Prints a table, then one JSON line per model and scheme.
@@ -267,6 +273,7 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
             elastic = statistics.median(times["elastic"]) / steps
             record = {
                 "benchmark": "distributed_overhead",
+                "ranks": world,
                 "model": name,
                 "scheme": kind,
                 "split": SPLIT,
@@ -297,34 +304,40 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def _run(world: int) -> list[dict[str, Any]]:
+    """The records of ``world`` spawned ranks."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_worker, args=(r, 2, init_file, results)) for r in range(2)]
+        processes = [context.Process(target=_worker, args=(r, world, init_file, results)) for r in range(world)]
         for process in processes:
             process.start()
-        records = results.get(timeout=1800)
+        records: list[dict[str, Any]] = results.get(timeout=1800)
         for process in processes:
             process.join()
-    headers = ["model", "scheme", "plain ms", "elastic ms", "ratio", "vote ms", "vote alone ms", "all_gather vote ms"]
-    headers += ["elastic sync ms", "plain sync ms", "collectives/step"]
+    return records
+
+
+def main() -> None:
+    records = _run(2) + _run(1)
+    headers = ["ranks", "model", "scheme", "plain ms", "elastic ms", "ratio", "vote ms", "vote alone ms"]
+    headers += ["all_gather vote ms", "elastic sync ms", "plain sync ms", "collectives/step"]
     rows = []
     for r in records:
         plain_sync = f"{r['plain_sync_ms']:.2f}" if "plain_sync_ms" in r else "n/a"
         counts = (r["all_reduces_per_step"], r["all_gathers_per_step"], r["reduce_scatters_per_step"])
         collectives = "{:g} ar + {:g} ag + {:g} rs".format(*counts)
         rows.append(
-            [r["model"], r["scheme"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}", f"{r['ratio']:.3f}",
+            [r["ranks"], r["model"], r["scheme"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}", f"{r['ratio']:.3f}",
              f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}", f"{r['all_gather_vote_ms']:.2f}",
              f"{r['elastic_sync_ms']:.2f}", plain_sync, collectives]
         )  # fmt: skip
         if "kept_ms" in r:
-            kept = [r["model"], "fsdp2 kept", f"{r['kept_ms']:.2f}", "", f"{r['ratio_to_kept']:.3f}"]
+            kept = [r["ranks"], r["model"], "fsdp2 kept", f"{r['kept_ms']:.2f}", "", f"{r['ratio_to_kept']:.3f}"]
             rows.append(kept + [""] * (len(headers) - len(kept)))
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
-    print(f"ElasticStep vs hand-written accumulation at split {SPLIT}, 2 gloo ranks on CPU (target <= {TARGET}x)")
+    print(f"ElasticStep vs hand-written accumulation at split {SPLIT}, gloo ranks on CPU (target <= {TARGET}x)")
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))

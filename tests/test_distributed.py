@@ -1132,3 +1132,62 @@ def test_the_reference_is_not_trivial() -> None:
     after = _reference([12, 12], 3)
     assert _relative_error(after, before) > 100 * RTOL
     assert math.isfinite(float(after.sum()))
+
+
+# -- one rank: DDP and FSDP2 still reduce once per batch -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
+    pool = RankPool(tmp_path_factory.mktemp("one-rank"), world_size=1)
+    yield pool
+    pool.close()
+
+
+def _alone(rank: int, world: int, kind: str, options: dict[str, Any]) -> dict[str, Any]:
+    """3 steps of split 3 on one rank, an OOM in the second forward: the scheme, DDP's syncs, the collectives."""
+    model = _distribute(kind, _plain_model(), **options)
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    (oom,) = _injections(model, [("forward", "model", [1], 0)])
+    syncing: list[bool] = []  # per microbatch: whether DDP would reduce in its backward
+    if kind == "ddp":
+        _inner(model).register_forward_pre_hook(lambda *_: syncing.append(model.require_backward_grad_sync))
+    per_step = []
+    for i in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        with _counting_collectives() as counts:
+            step.backward(_batch(i, rank, 12), _loss_fn(model))
+        optimizer.step()
+        per_step.append(counts)
+    return {
+        "error": _relative_error(_full(model.parameters()), _reference([12], 3)),
+        "scheme": type(step.sync).__name__,
+        "syncing": syncing,
+        "per_step": per_step,
+        "fired": oom.fired,
+    }
+
+
+ALONE = {
+    # kind, options, the scheme, and in a step that fitted: DDP's reductions, FSDP2's reduce-scatters
+    "ddp": ("ddp", {}, "_SingleRankDDP", 0, 0),
+    "ddp-static-graph": ("ddp", {"static_graph": True}, "GradientSync", 3, 0),  # its first backward must be DDP's
+    "fsdp": ("fsdp", {}, "_FullyShard", 0, 1),
+}
+
+
+@pytest.mark.parametrize(("kind", "options", "scheme", "reductions", "scatters"), list(ALONE.values()), ids=list(ALONE))
+def test_one_rank_reduces_once_a_batch_and_matches_full_batch_training(
+    one_rank: RankPool, kind: str, options: dict[str, Any], scheme: str, reductions: int, scatters: int
+) -> None:
+    """On one rank, DDP's reducer would reduce every microbatch and FSDP2 reshard and reduce each: 1.2-1.5x a step."""
+    (result,) = one_rank.run(_alone, kind, options, timeout=60)
+    assert result["fired"] == 1
+    assert result["error"] <= RTOL, f"relative weight error {result['error']:.2e}"
+    assert result["scheme"] == scheme
+    if kind == "ddp":
+        # the last step's three microbatches
+        assert sum(result["syncing"][-3:]) == reductions
+    else:
+        assert [counts[SCATTER] for counts in result["per_step"]] == [scatters + 1, scatters, scatters]
