@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 
+from elastic_batches.lightning import ElasticModule
 from elastic_batches.testing import inject_oom
 
 ROWS = 40
@@ -133,6 +134,31 @@ class Regression(pl.LightningModule):
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, **self.scheduler}}
+
+
+class Manual(Regression):
+    """Manual optimization: zero the gradients, backward, clip to norm 0.05, step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def _loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self(batch["x"]), batch["y"])
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        if isinstance(self, ElasticModule):
+            self.elastic_backward(batch, self._loss)
+        else:
+            self.manual_backward(self._loss(batch))
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+
+
+class ElasticManual(ElasticModule, Manual):
+    """:class:`Manual` through ``elastic_backward``."""
 
 
 class RecordingLogger(Logger):

@@ -16,7 +16,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from _lightning_models import (
+    ElasticManual,
     IdDataset,
+    Manual,
     RecordingLogger,
     Regression,
     assert_same_parameters,
@@ -367,42 +369,37 @@ def test_fsdp1_is_refused_with_the_fsdp2_way_to_go() -> None:
         elastic.setup(trainer, Regression(), "fit")  # type: ignore[arg-type]
 
 
-class _Manual(Regression):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
-
-    def _loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self(batch["x"]), batch["y"])
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        if isinstance(self, ElasticModule):
-            self.elastic_backward(batch, self._loss)
-        else:
-            self.manual_backward(self._loss(batch))
-        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
-        optimizer.step()
-
-
-class _ElasticManual(ElasticModule, _Manual):
-    pass
-
-
 def test_manual_optimization_needs_the_module_mixin() -> None:
     trainer = Trainer(**quiet_trainer_kwargs(**AUTO))
     with pytest.raises(ValueError, match="uses manual optimization.*ElasticModule"):
-        trainer.fit(_Manual(), loader(10))
+        trainer.fit(Manual(), loader(10))
 
 
 def test_manual_optimization_with_elastic_backward_equals_the_plain_manual_run() -> None:
-    reference = _Manual()
+    reference = Manual()
     fit(pl.Trainer, reference, loader(10))
-    model = _ElasticManual(oom={"phase": "backward", "calls": [0]})
+    model = ElasticManual(oom={"phase": "backward", "calls": [0]})
     trainer = fit(Trainer, model, loader(10), **AUTO)
     assert trainer.elastic.controllers["train"].split_count == 2
     assert_same_parameters(parameters_of(model), parameters_of(reference))
+
+
+@pytest.mark.parametrize("trainer_class", [Trainer, pl.Trainer], ids=["with-callback", "plain-trainer"])
+def test_manual_optimization_keeps_one_step_and_its_gradient_sync_for_the_fit(
+    monkeypatch: pytest.MonkeyPatch, trainer_class: Any
+) -> None:
+    """A step made anew every batch would rebuild its sync: DDP's buffers, and a separate vote every step."""
+    built: list[torch.nn.Module] = []
+    original = eb.step.gradient_sync_for
+
+    def counted(model: torch.nn.Module) -> Any:
+        built.append(model)
+        return original(model)
+
+    monkeypatch.setattr(eb.step, "gradient_sync_for", counted)
+    model = ElasticManual()
+    fit(trainer_class, model, loader(10), **(AUTO if trainer_class is Trainer else {}))
+    assert len(built) == 1  # 2 epochs of 4 batches
 
 
 # -- the mixins ---------------------------------------------------------------------------------

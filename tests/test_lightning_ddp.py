@@ -5,9 +5,10 @@ fails the test and kills every rank); Lightning starts the second rank itself, a
 user. Every rank saves what it saw and trained to a directory the test then reads.
 
 * ``ddp``: a plain DDP fit, an ``accumulate_grad_batches="auto"`` fit where rank 1 alone runs out
-  of memory (forward of the first microbatch, backward of the last one), and a fit whose
+  of memory (forward of the first microbatch, backward of the last one), a fit whose
   DataLoaders are ``MicrobatchingDataLoader``s from an ``ElasticDataModule`` (Lightning injects
-  its ``DistributedSampler`` by re-creating them). Each training batch records its sample ids.
+  its ``DistributedSampler`` by re-creating them), and a manual-optimization fit through
+  ``elastic_backward`` with a rank-1 OOM. Each training batch records its sample ids.
 * ``ddp_spawn``: the auto fit with the rank-1 OOM, under ``ddp_spawn`` (the model is pickled into
   the workers and its weights come back to the main process).
 """
@@ -90,6 +91,15 @@ def test_ddp_rank_one_oom_recovers_shards_stay_per_rank_and_weights_equal_plain_
     assert ranks[0]["datamodule"]["loader"] == ranks[1]["datamodule"]["loader"] == ("MicrobatchingDataLoader", True)
 
 
+def test_ddp_manual_optimization_recovers_a_rank_one_oom_and_equals_plain_ddp(
+    ddp_results: list[dict[str, Any]],
+) -> None:
+    """``elastic_backward``, then ``clip_gradients`` (its norm agreed on by both ranks) and ``optimizer.step``."""
+    for result in ddp_results:
+        _same(result["manual"]["params"], result["manual_plain"]["params"])
+        assert result["manual"]["controller"]["retry_count"] == 1
+
+
 def test_fsdp2_through_model_parallel_strategy_recovers_a_rank_one_oom_and_equals_plain_fsdp2(
     ddp_results: list[dict[str, Any]],
 ) -> None:
@@ -147,7 +157,15 @@ def test_example_lightning_ddp_rank_one_short_of_memory_both_ranks_agree() -> No
 
 def _ddp(out: Path) -> None:
     import lightning.pytorch as pl
-    from _lightning_models import IdDataset, Regression, loader, parameters_of, quiet_trainer_kwargs
+    from _lightning_models import (
+        ElasticManual,
+        IdDataset,
+        Manual,
+        Regression,
+        loader,
+        parameters_of,
+        quiet_trainer_kwargs,
+    )
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
@@ -196,6 +214,18 @@ def _ddp(out: Path) -> None:
         "params": parameters_of(data_model),
         "seen": data_model.seen,
         "loader": (type(loader_).__name__, loader_.controller is with_data.elastic.controllers["train"]),
+    }
+
+    # manual optimization: elastic_backward, clip_gradients and optimizer.step in training_step
+    manual_plain = Manual()
+    pl.Trainer(**quiet_trainer_kwargs(**ddp)).fit(manual_plain, loader(5))
+    manual_model = ElasticManual(oom={"phase": "backward", "calls": [0], "rank": 1})
+    manual = Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", **ddp))
+    manual.fit(manual_model, loader(5))
+    result["manual_plain"] = {"params": parameters_of(manual_plain)}
+    result["manual"] = {
+        "params": parameters_of(manual_model),
+        "controller": manual.elastic.controllers["train"].state_dict(),
     }
 
     # FSDP2 (fully_shard) through Lightning's ModelParallelStrategy, which runs on CPU

@@ -99,10 +99,26 @@ class ElasticModule:
         Returns:
             The batch's mean loss, detached.
         """
-        trainer = self.trainer  # type: ignore[attr-defined]
         if count_fn is None and type(self).elastic_count is not ElasticModule.elastic_count:
             count_fn = self.elastic_count
+        return self._elastic_train_step().backward(batch, loss_fn, count_fn=count_fn)
+
+    def _elastic_train_step(self) -> ElasticStep:
+        """The train stage's step, the same from one call to the next (its gradient sync keeps its buffers).
+
+        The Trainer's callback's when it has one (``clip_gradients`` then agrees on the norm
+        across ranks, as in automatic optimization); otherwise this module's own.
+        """
+        from elastic_batches.lightning.callback import ElasticAccumulation
+
+        trainer = self.trainer  # type: ignore[attr-defined]
         backward_fn = self.manual_backward  # type: ignore[attr-defined]
-        controller = self.elastic_controllers["train"]
-        step = ElasticStep(trainer.strategy.model, controller=controller, backward_fn=backward_fn)
-        return step.backward(batch, loss_fn, count_fn=count_fn)
+        elastic = ElasticAccumulation.find(trainer)
+        if elastic is not None:
+            return elastic.step_for("train", backward_fn=backward_fn)
+        model, controller = trainer.strategy.model, self.elastic_controllers["train"]
+        step: ElasticStep | None = self.__dict__.get("_elastic_own_step")
+        if step is None or step.model is not model or step.controller is not controller:
+            step = self.__dict__["_elastic_own_step"] = ElasticStep(model, controller=controller)
+        step.backward_fn = backward_fn
+        return step
