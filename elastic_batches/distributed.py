@@ -48,8 +48,13 @@ __all__ = ["ERROR", "OK", "OOM", "GradientSync", "Outcome", "Verdict", "gradient
 
 OK, OOM, ERROR = 0, 1, 2
 _BUCKET_BYTES = 25 * 1024 * 1024
-_FUSED_BYTES = 1024 * 1024  # FSDP2: gradients that ride with the vote, as float32, per rank's part
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # gradients float32 holds exactly
+_FUSED_BYTES = 1024 * 1024  # FSDP2: gradients that ride with the vote, per rank's part
+# FSDP2: the dtype of the vote's reduce-scatter (float64 when some gradient is float64), and the
+# gradient dtypes that ride in it: those it holds exactly.
+_FUSED_RIDERS = {
+    torch.float32: (torch.float32, torch.bfloat16, torch.float16),
+    torch.float64: (torch.float64, torch.float32, torch.bfloat16, torch.float16),
+}
 _VOTE_WIDTH = 5  # values each rank contributes to one vote
 _VOTE_VALUES = 4  # status, size, total, and whether a trained parameter got no gradient here: the vote of an attempt
 # A fused vote carries each rank's four float64 as their 32 bytes, one byte (0..255) per
@@ -727,14 +732,15 @@ class _FusedVote:
     buffer holds in place of gradients (the others discard the result): nothing is allocated.
     """
 
-    def __init__(self, world: int, numel: int, device: str) -> None:
+    def __init__(self, world: int, numel: int, dtype: torch.dtype, device: str) -> None:
         self.world, self.numel = world, numel
+        self.riders = _FUSED_RIDERS[dtype]  # the gradient dtypes it carries
         slots = world * _VOTE_BYTES
-        self.send = torch.zeros(world, slots + numel, dtype=torch.float32, device=device)
-        self.receive = torch.zeros(slots + numel, dtype=torch.float32, device=device)
+        self.send = torch.zeros(world, slots + numel, dtype=dtype, device=device)
+        self.receive = torch.zeros(slots + numel, dtype=dtype, device=device)
         # This rank's slots: written on the host, copied whole to the device (no temporary there), then
         # into every rank's part on the device.
-        self._host = torch.zeros(slots, dtype=torch.float32)
+        self._host = torch.zeros(slots, dtype=dtype)
         self._slots = self._host if self.send.device.type == "cpu" else torch.zeros_like(self._host, device=device)
 
     def parts(self) -> torch.Tensor:
@@ -762,9 +768,9 @@ class _FullyShard(_Agreeing):
     and the gradients accumulate unsharded (what DDP holds); after the last microbatch the
     parameters are resharded, and the reduction takes one bucket of ``world_size x 25 MiB``
     plus this rank's sharded gradients. The first reduce-scatter, which carries the vote,
-    goes through buffers kept for the whole run (``world_size x`` at most 1 MiB, float32: the
-    bf16 and fp16 gradients in it are summed in float32), so that a rank whose attempt failed
-    joins it without allocating.
+    goes through buffers kept for the whole run (``world_size x`` at most 1 MiB, float32 or
+    float64 when some gradient is: narrower gradients in it are summed in its dtype), so that
+    a rank whose attempt failed joins it without allocating.
     """
 
     replicated = False
@@ -810,7 +816,7 @@ class _FullyShard(_Agreeing):
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
         self._used = _UsedMap(self.device, self.group)
-        # The vote's reduce-scatter: each rank's part is the vote slots, then gradients (in float32).
+        # The vote's reduce-scatter: each rank's part is the vote slots, then gradients.
         self._fused: _FusedVote | None = None  # allocated by the first gather check, kept
         self._fused_grads: list[_ShardedGrad] = []  # this attempt's gradients that ride with the vote
         self._fused_factor: float | None = None  # after a vote that fitted: theirs still to apply
@@ -844,20 +850,27 @@ class _FullyShard(_Agreeing):
         try:
             self.root._get_fsdp_state()._lazy_init()  # settles the all-gather dtypes (mixed precision)
             if self._fused is None:
-                self._fused = _FusedVote(self.world_size, self._fused_numel(), self.mesh.device_type)
+                self._fused = self._fused_vote()
             torch.empty(self._gather_bytes(), dtype=torch.uint8, device=self._params[0].sharded_param.to_local().device)
         except Exception as err:  # noqa: BLE001 - any failure is told to the peers, which must not wait for it
             status = OOM if is_oom_error(err) else ERROR
         return self.agree(status)
 
-    def _fused_numel(self) -> int:
-        """Gradient elements in each rank's part of the vote's reduce-scatter: 1 MiB of float32, or all there are."""
+    def _fused_vote(self) -> _FusedVote:
+        """The vote's reduce-scatter buffers: float64 if some gradient is, else float32; 1 MiB a part, or less.
+
+        Each rank's part holds what fits of the gradients it can carry exactly, as :meth:`prepare`
+        will place them.
+        """
+        # A gradient accumulates in the reduction dtype (mixed precision), if any.
+        dtypes = [fp.reduce_dtype or fp.param_dtype or fp.orig_dtype for fp in self._params]
+        dtype = torch.float64 if torch.float64 in dtypes else torch.float32
         parts = 0
-        for fp in self._params:  # a gradient accumulates in the reduction dtype (mixed precision), if any
-            if (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype) in _FUSED_DTYPES:
+        for fp, grad_dtype in zip(self._params, dtypes, strict=True):
+            if grad_dtype in _FUSED_RIDERS[dtype]:
                 rows = fp.sharded_param.shape[0]
                 parts += -(-rows // self.world_size) * (fp.sharded_param.numel() // rows if rows else 0)
-        return min(_FUSED_BYTES // 4, parts)
+        return _FusedVote(self.world_size, min(_FUSED_BYTES // dtype.itemsize, parts), dtype, self.mesh.device_type)
 
     def _gather_bytes(self) -> int:
         total, largest = 0, 0
@@ -935,7 +948,7 @@ class _FullyShard(_Agreeing):
         for entry in grads:
             assert entry.full is not None
             width = entry.chunk_rows * entry.row_numel
-            if entry.full.dtype in _FUSED_DTYPES and width <= room:  # rides with the vote, summed in float32
+            if entry.full.dtype in self._fused.riders and width <= room:  # rides with the vote
                 entry.offset = self._fused.numel - room
                 room -= width
                 fused.append(entry)
@@ -995,7 +1008,7 @@ class _FullyShard(_Agreeing):
         assert self._grads is not None and self._fused is not None and self._fused_factor is not None
         received = self._fused.received()
         if self._fused_factor != 1.0:
-            received.mul_(self._fused_factor)  # in float32, before a bf16 or fp16 gradient is rounded
+            received.mul_(self._fused_factor)  # in the vote's dtype, before a narrower gradient is rounded
         for e in self._fused_grads:  # reduced with the vote
             assert e.local is not None
             e.local.view(-1).copy_(received[e.offset : e.offset + e.local.numel()])

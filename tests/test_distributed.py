@@ -628,9 +628,9 @@ def _error_on_one_rank(rank: int, world: int, kind: str, warm_up: bool) -> dict[
     return {**outcome, "grads_clean": grads_clean, "error": error}
 
 
-def _reference_grads(rows: list[int], step: int) -> torch.Tensor:
-    model = _plain_model()
-    x, y = (torch.cat(parts) for parts in zip(*(_batch(step, r, n) for r, n in enumerate(rows)), strict=True))
+def _reference_grads(rows: list[int], step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    model = _plain_model().to(dtype)
+    x, y = (torch.cat(parts).to(dtype) for parts in zip(*(_batch(step, r, n) for r, n in enumerate(rows)), strict=True))
     _loss_fn(model)((x, y)).backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
@@ -723,6 +723,24 @@ def test_fsdp2_mixed_precision_with_an_oom(ranks: RankPool, reduce_dtype: torch.
     results = ranks.run(_mixed_precision, reduce_dtype, timeout=60)
     errors = [error for error, _ in results]  # about 2e-3 with either reduction
     assert all(error <= 1e-2 for error in errors), f"bf16 forward: relative gradient errors {errors}"
+    assert [count for _, count in results] == [2, 2]  # the failed attempt's vote, then the retry's (all in it)
+
+
+def _float64(rank: int, world: int) -> tuple[float, int]:
+    """float64 parameters and an OOM on rank 1; the gradients' error and the step's reduce-scatters."""
+    model = _distribute("fsdp", _plain_model().double())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    x, y = (t.double() for t in _batch(0, rank, 12))
+    with inject_oom(model, phase="forward", calls=1, rank=1), _counting_collectives() as counts:
+        step.backward((x, y), _loss_fn(model))
+    error = _relative_error(_full(p.grad for p in model.parameters()), _reference_grads([12, 12], 0, torch.float64))
+    return error, counts[SCATTER]
+
+
+def test_fsdp2_float64_gradients_ride_with_the_vote_in_float64(ranks: RankPool) -> None:
+    results = ranks.run(_float64, timeout=60)
+    errors = [error for error, _ in results]
+    assert all(error <= 1e-12 for error in errors), f"relative gradient errors {errors} (float32 would give ~1e-8)"
     assert [count for _, count in results] == [2, 2]  # the failed attempt's vote, then the retry's (all in it)
 
 
