@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import struct
 from collections.abc import Iterator, Sequence
@@ -60,6 +61,7 @@ _VOTE_VALUES = 4  # status, size, total, and whether a trained parameter got no 
 # A fused vote carries each rank's four float64 as their 32 bytes, one byte (0..255) per
 # gradient element: exact in any of these dtypes, and exact in a sum where the other ranks add 0.
 _VOTE_BYTES = 8 * _VOTE_VALUES
+_VOTE_STRUCT = struct.Struct(f"{_VOTE_VALUES}d")
 _BYTE_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The vote's all-gather and the gradients' reduce-scatter: torch 2.13 renamed all_gather_into_tensor
 # and reduce_scatter_tensor (the old names warn); looked up at each call, so that a test can count them.
@@ -104,7 +106,11 @@ class Outcome(NamedTuple):
 _ALL_OK = Outcome(OK, (), (), ())
 
 
-def _verdict(rows: Sequence[Sequence[float]], total: float) -> Verdict:
+_Rows = tuple[tuple[float, ...], ...]  # every rank's vote values, in rank order
+
+
+@functools.lru_cache(maxsize=16)  # a steady run casts the same votes step after step
+def _verdict(rows: _Rows, total: float) -> Verdict:
     """The verdict from every rank's ``(status, size, total)``, for the rank whose total is ``total``."""
     statuses = [int(r[0]) for r in rows]
     oom_sizes = [int(r[1]) for r in rows if int(r[0]) == OOM]
@@ -220,20 +226,46 @@ def _check_values(values: Sequence[float]) -> None:
         raise ValueError(f"GradientSync.agree takes at most {_VOTE_WIDTH - 1} values, got {len(values)}")
 
 
-def _vote_slots(rank: int, world: int, values: Sequence[float]) -> bytearray:
-    """Every rank's vote slot as bytes, zero but this rank's: what a rank adds to a vote that rides in a sum.
+class _VoteBytes:
+    """A vote that rides in a sum: this rank's values as bytes in its slot, every rank's values read from the sum.
 
-    Writable, as ``torch.frombuffer`` wants its buffer (it warns about a read-only one).
+    Each rank owns ``_VOTE_BYTES`` elements, one byte (0..255) of its four float64 per element;
+    the others add zeros there, so the sum holds every rank's bytes exactly. A steady run casts
+    the same vote step after step: the slots are written again only when this rank's bytes
+    change, and the sum is decoded again only when it differs from the last one decoded.
+
+    Args:
+        rank: This rank.
+        world: The number of ranks.
+        dtype: The dtype of the collective that carries the vote (one of :data:`_BYTE_CARRIERS`).
+        device: Where the summed vote arrives.
     """
-    slots = bytearray(world * _VOTE_BYTES)
-    slots[rank * _VOTE_BYTES : (rank + 1) * _VOTE_BYTES] = struct.pack(f"{_VOTE_VALUES}d", *values)
-    return slots
 
+    def __init__(self, rank: int, world: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.rank, self.world = rank, world
+        self.host = torch.zeros(world * _VOTE_BYTES, dtype=dtype)  # this rank's slot, zeros in the others'
+        self._written = b""
+        self._decoded = torch.zeros(world * _VOTE_BYTES, dtype=dtype, device=device)
+        self._every_vote = struct.Struct(f"{world * _VOTE_VALUES}d")
+        self._rows: _Rows | None = None
 
-def _read_votes(summed: torch.Tensor, world: int) -> list[list[float]]:
-    """Every rank's vote values from the summed slots (one byte per element, as :func:`_vote_slots` wrote them)."""
-    values = struct.unpack(f"{world * _VOTE_VALUES}d", bytes(map(round, summed.tolist())))
-    return [list(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES]) for r in range(world)]
+    def slots(self, values: Sequence[float]) -> torch.Tensor:
+        """The host tensor to send, holding ``values`` (status, size, total, unused flag) in this rank's slot."""
+        packed = _VOTE_STRUCT.pack(*values)
+        if packed != self._written:
+            slots = bytearray(self.world * _VOTE_BYTES)  # writable, as torch.frombuffer wants
+            slots[self.rank * _VOTE_BYTES : (self.rank + 1) * _VOTE_BYTES] = packed
+            self.host.copy_(torch.frombuffer(slots, dtype=torch.uint8))
+            self._written = packed
+        return self.host
+
+    def read(self, summed: torch.Tensor) -> _Rows:
+        """Every rank's vote values from the summed slots."""
+        if self._rows is None or not torch.equal(summed, self._decoded):
+            values = self._every_vote.unpack(bytes(map(round, summed.tolist())))
+            self._rows = tuple(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES] for r in range(self.world))
+            self._decoded.copy_(summed)
+        return self._rows
 
 
 class _HostWritten:
@@ -243,11 +275,9 @@ class _HostWritten:
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel = numel
         self._host = torch.zeros(numel, dtype=dtype)
         self._device = self._host if device.type == "cpu" else self._host.to(device)
-
-    def __len__(self) -> int:
-        return len(self._host)
 
     def write(self, values: Sequence[float]) -> torch.Tensor:
         """``values`` first, zeros after; the tensor on the device, to send."""
@@ -290,9 +320,9 @@ class _Agreeing(GradientSync):
         self._mine = _HostWritten(_VOTE_WIDTH, torch.float64, self.device)
         self._gathered = torch.zeros(self.world_size * _VOTE_WIDTH, dtype=torch.float64, device=self.device)
 
-    def _exchange(self, values: Sequence[float]) -> list[list[float]]:
+    def _exchange(self, values: Sequence[float]) -> _Rows:
         getattr(dist, _ALL_GATHER)(self._gathered, self._mine.write(values), group=self.group)
-        return self._gathered.view(self.world_size, _VOTE_WIDTH).tolist()
+        return tuple(map(tuple, self._gathered.view(self.world_size, _VOTE_WIDTH).tolist()))
 
     def vote(self, status: int, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
         return _verdict(self._exchange((status, size, total)), total)
@@ -487,7 +517,7 @@ class _UsedMap:
 
     def record(self, used: list[bool]) -> None:
         """Before the vote: which parameters got a gradient here; allocates the counts when their number changes."""
-        if self._counts is None or len(self._counts) != len(used):
+        if self._counts is None or self._counts.numel != len(used):
             self._counts = None  # free the old ones first
             self._counts = _HostWritten(len(used), torch.float32, self.device)
         self.used = used
@@ -504,14 +534,14 @@ class _UsedMap:
     def reset(self) -> None:
         self.used, self.somewhere = None, False
 
-    def unused_everywhere(self) -> list[bool]:
-        """After the reduction, on every rank: which parameters no rank used (one all-reduce, if the vote said so)."""
+    def unused_everywhere(self) -> set[int]:
+        """After the reduction, on every rank: the parameters no rank used (one all-reduce, if the vote said so)."""
         assert self.used is not None and self._counts is not None
         if not self.somewhere:
-            return [False] * len(self.used)
+            return set()
         counts = self._counts.write(self.used)
         dist.all_reduce(counts, group=self.group)
-        return [count == 0 for count in counts.tolist()]
+        return {index for index, count in enumerate(counts.tolist()) if count == 0}
 
 
 class _DistributedDataParallel(_Agreeing):
@@ -560,7 +590,7 @@ class _DistributedDataParallel(_Agreeing):
         # vote is fused. Changed only by a vote, so it is the same on every rank.
         self._fused_key: tuple[int, ...] | None = None
         self._reference = 1.0  # the last grand total: gradients are pre-scaled by total_r / reference
-        self._vote_staging: torch.Tensor | None = None  # the vote segment as this rank sends it, on the host
+        self._votes: _VoteBytes | None = None  # the vote segment as this rank sends it, and the votes read back
         self._parts: list[list[torch.Tensor]] | None = None  # this attempt's gradients, bound to the plan
         self._bucket0_factor: float | None = None  # after a fused vote that fitted: bucket 0's factor still to apply
         self._buffer_plan: _FlatPlan | None = None  # persistent, for the buffers of ``_buffer_key``
@@ -581,8 +611,7 @@ class _DistributedDataParallel(_Agreeing):
         """The parameters whose gradients DDP synchronises: all but those it was told to ignore."""
         return [p for p in params if id(p) not in self._ignored] if self._ignored else params
 
-    @torch.no_grad()
-    def prepare(self, params: Sequence[torch.Tensor]) -> None:
+    def prepare(self, params: Sequence[torch.Tensor]) -> None:  # records nothing for autograd: no no_grad needed
         params = self._synced(params)
         self._used.record([p.grad is not None for p in params])
         # Every rank must reduce the same tensors: a parameter unused here may be used elsewhere.
@@ -591,10 +620,10 @@ class _DistributedDataParallel(_Agreeing):
                 p.grad = torch.zeros_like(p)
         key = tuple(map(id, params))
         if key != self._plan_key:
-            self._plan, self._plan_key, self._vote_staging = None, (), None  # free the old buffers first
+            self._plan, self._plan_key, self._votes = None, (), None  # free the old buffers first
             plan = _FlatPlan(params, vote_numel=self.world_size * _VOTE_BYTES)
             if plan.vote is not None:
-                self._vote_staging = torch.empty_like(plan.vote, device="cpu")
+                self._votes = _VoteBytes(self.rank, self.world_size, plan.vote.dtype, plan.vote.device)
             self._plan, self._plan_key = plan, key
         assert self._plan is not None
         self._parts = self._plan.bind([p.grad for p in params if p.grad is not None])
@@ -635,24 +664,22 @@ class _DistributedDataParallel(_Agreeing):
             self._reference = grand_total
         return verdict
 
-    def _fused_vote(self, status: int, size: int, total: float) -> list[list[float]]:
+    def _fused_vote(self, status: int, size: int, total: float) -> _Rows:
         """All-reduce bucket 0, pre-scaled by ``total / reference``, and every rank's vote bytes in one collective.
 
         A rank whose attempt failed sends zeros in place of its gradients. Nothing here
         allocates on the device.
         """
-        plan, staging = self._plan, self._vote_staging
-        assert plan is not None and plan.fused is not None and plan.vote is not None and staging is not None
+        plan, votes = self._plan, self._votes
+        assert plan is not None and plan.fused is not None and plan.vote is not None and votes is not None
         if status == OK:
             assert self._parts is not None
             plan.fill(0, self._parts[0], total / self._reference)
         else:
             plan.buckets[0].flat.zero_()
-        slots = _vote_slots(self.rank, self.world_size, (status, size, total, self._used.flag))
-        staging.copy_(torch.frombuffer(slots, dtype=torch.uint8))  # to the plan's dtype on the host
-        plan.vote.copy_(staging)
+        plan.vote.copy_(votes.slots((status, size, total, self._used.flag)))
         dist.all_reduce(plan.fused, group=self.group)
-        return _read_votes(plan.vote, self.world_size)
+        return votes.read(plan.vote)
 
     def discard(self) -> None:
         self._parts, self._bucket0_factor, self._buffer_parts = None, None, []
@@ -670,9 +697,9 @@ class _DistributedDataParallel(_Agreeing):
         for index in range(first, len(plan.buckets)):
             dist.all_reduce(plan.fill(index, parts[index], scale), group=self.group)
             plan.drain(index, parts[index])
-        for p, unused in zip(self._synced(params), self._used.unused_everywhere(), strict=True):
-            if unused:
-                p.grad = None
+        synced = self._synced(params)
+        for index in self._used.unused_everywhere():
+            synced[index].grad = None
         buffer_plan, buffer_parts = self._buffer_plan, self._buffer_parts
         self.discard()
         if buffer_plan is not None and buffer_parts:
@@ -732,7 +759,7 @@ class _FusedVote:
     buffer holds in place of gradients (the others discard the result): nothing is allocated.
     """
 
-    def __init__(self, world: int, numel: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, rank: int, world: int, numel: int, dtype: torch.dtype, device: str) -> None:
         self.world, self.numel = world, numel
         self.riders = _FUSED_RIDERS[dtype]  # the gradient dtypes it carries
         slots = world * _VOTE_BYTES
@@ -740,21 +767,22 @@ class _FusedVote:
         self.receive = torch.zeros(slots + numel, dtype=dtype, device=device)
         # This rank's slots: written on the host, copied whole to the device (no temporary there), then
         # into every rank's part on the device.
-        self._host = torch.zeros(slots, dtype=dtype)
-        self._slots = self._host if self.send.device.type == "cpu" else torch.zeros_like(self._host, device=device)
+        self._votes = _VoteBytes(rank, world, dtype, device)
+        host = self._votes.host
+        self._slots = host if self.send.device.type == "cpu" else torch.zeros_like(host, device=device)
 
     def parts(self) -> torch.Tensor:
         """The gradient columns of every rank's part (a view: fill it before :meth:`exchange`)."""
         return self.send[:, self.world * _VOTE_BYTES :]
 
-    def exchange(self, slots: bytearray, group: dist.ProcessGroup | None) -> list[list[float]]:
-        """Send the vote slots with the gradients; every rank's vote values."""
-        self._host.copy_(torch.frombuffer(slots, dtype=torch.uint8))
-        if self._slots is not self._host:
-            self._slots.copy_(self._host)
+    def exchange(self, values: Sequence[float], group: dist.ProcessGroup | None) -> _Rows:
+        """Send this rank's vote ``values`` with the gradients; every rank's vote values."""
+        host = self._votes.slots(values)
+        if self._slots is not host:
+            self._slots.copy_(host)
         self.send[:, : self.world * _VOTE_BYTES].copy_(self._slots.expand(self.world, -1))
         getattr(dist, _REDUCE_SCATTER)(self.receive, self.send.view(-1), group=group)
-        return _read_votes(self.receive[: self.world * _VOTE_BYTES], self.world)
+        return self._votes.read(self.receive[: self.world * _VOTE_BYTES])
 
     def received(self) -> torch.Tensor:
         """This rank's part of the reduced gradients, after :meth:`exchange`."""
@@ -870,7 +898,8 @@ class _FullyShard(_Agreeing):
             if grad_dtype in _FUSED_RIDERS[dtype]:
                 rows = fp.sharded_param.shape[0]
                 parts += -(-rows // self.world_size) * (fp.sharded_param.numel() // rows if rows else 0)
-        return _FusedVote(self.world_size, min(_FUSED_BYTES // dtype.itemsize, parts), dtype, self.mesh.device_type)
+        numel = min(_FUSED_BYTES // dtype.itemsize, parts)
+        return _FusedVote(self.rank, self.world_size, numel, dtype, self.mesh.device_type)
 
     def _gather_bytes(self) -> int:
         total, largest = 0, 0
@@ -985,8 +1014,7 @@ class _FullyShard(_Agreeing):
                 _fill(parts, entry)
             if total != self._reference:
                 parts.mul_(total / self._reference)
-        slots = _vote_slots(self.rank, self.world_size, (status, size, total, self._used.flag))
-        rows = fused.exchange(slots, self.group)
+        rows = fused.exchange((status, size, total, self._used.flag), self.group)
         verdict = _verdict(rows, total)
         self._used.learn(verdict.status, rows)
         grand_total = math.fsum(r[2] for r in rows)
@@ -1025,10 +1053,11 @@ class _FullyShard(_Agreeing):
             for e in entries:
                 assert e.local is not None
                 e.local.view(-1).copy_(receive[e.offset : e.offset + e.local.numel()])
+        unused_everywhere = self._used.unused_everywhere()
         with torch.no_grad():
-            for e, unused_everywhere in zip(self._grads, self._used.unused_everywhere(), strict=True):
+            for index, e in enumerate(self._grads):
                 assert e.local is not None
-                if unused_everywhere:
+                if index in unused_everywhere:
                     e.sharded.grad = None
                     continue
                 e.sharded.grad = DTensor.from_local(
