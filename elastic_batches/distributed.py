@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -156,6 +156,13 @@ class GradientSync:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        # The parameters, when the wrapper fixed them at its construction (DDP hooks those it found
+        # then, and synchronises no other): listed once instead of walking the modules every step.
+        self._fixed_parameters: tuple[nn.Parameter, ...] | None = None
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        """The model's parameters, as ``model.parameters()`` lists them."""
+        return self._fixed_parameters if self._fixed_parameters is not None else self.model.parameters()
 
     def check_gather(self) -> Outcome:
         """Before an attempt: every rank learns whether every rank can hold what the attempt gathers first.
@@ -299,6 +306,7 @@ class _SingleRankDDP(GradientSync):
     def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
         super().__init__(model)
         self.ddp = model
+        self._fixed_parameters = tuple(model.parameters())
 
     def microbatches(self) -> contextlib.AbstractContextManager[None]:
         return self.ddp.no_sync()
@@ -581,6 +589,7 @@ class _DistributedDataParallel(_Agreeing):
             )
         super().__init__(model, model.process_group)
         self.ddp = model
+        self._fixed_parameters = tuple(model.parameters())
         # Parameters DDP leaves out of its gradient sync (``_set_params_and_buffers_to_ignore_for_model``).
         ignored = model.parameters_to_ignore
         self._ignored = {id(p) for name, p in model.module.named_parameters() if name in ignored}

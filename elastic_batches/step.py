@@ -176,7 +176,7 @@ class ElasticStep:
         rows = len(batch)
         if rows == 0:
             raise ValueError("ElasticStep.backward: the batch is empty (0 rows); skip empty batches before the step")
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.sync.parameters() if p.requires_grad]
         tensors = params + _input_leaves(batch)  # and the batch tensors that collect a gradient of their own
         stashed = [t.grad for t in tensors]
         outer = any(grad is not None for grad in stashed)  # gradients of earlier batches, set aside

@@ -881,6 +881,43 @@ def test_ddp_a_rank_that_failed_joins_the_fused_all_reduce(
         assert failed["all_reduce"] == 1 + result["buckets"]
 
 
+def _frozen_then_trained(rank: int, world: int) -> dict[str, Any]:
+    """DDP over a model whose first layer is frozen when wrapped, trained from step 2 on; 4 steps of split 3."""
+    rows = [12, 7]
+    plain = _plain_model()
+    plain[0].requires_grad_(False)
+    model = _distribute("ddp", plain)
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    reference = _plain_model()
+    reference[0].requires_grad_(False)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    grads = []
+    for i in range(4):
+        if i == 2:
+            plain[0].requires_grad_(True)
+            reference[0].requires_grad_(True)
+        optimizer.zero_grad(set_to_none=True)
+        step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
+        grads.append(plain[0].weight.grad is not None)
+        optimizer.step()
+        x, y = (torch.cat(parts) for parts in zip(*(_batch(i, r, n) for r, n in enumerate(rows)), strict=True))
+        reference_optimizer.zero_grad(set_to_none=True)
+        _loss_fn(reference)((x, y)).backward()
+        reference_optimizer.step()
+    return {"error": _relative_error(_full(model.parameters()), _full(reference.parameters())), "grads": grads}
+
+
+def test_ddp_a_layer_frozen_when_wrapped_trains_once_unfrozen_as_in_one_process(ranks: RankPool) -> None:
+    """ElasticStep lists the parameters DDP wrapped once, and reads at every step which of them train.
+
+    (DDP's own reduction would leave the unfrozen layer unsynchronised: it hooks what trained when wrapped.)
+    """
+    for result in ranks.run(_frozen_then_trained, timeout=60):
+        assert result["error"] <= RTOL, f"relative weight error {result['error']:.2e}"
+        assert result["grads"] == [False, False, True, True]
+
+
 # -- FSDP2: the vote inside the first reduce-scatter -------------------------------------------------
 
 
