@@ -32,8 +32,13 @@ baseline's sync is estimated as the extra time of its last (synchronising) micro
 the others. For FSDP2 the row "fsdp2 kept" gives the second
 baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over
 rounds that alternate which side runs first, each round (10 steps of the small model, one of
-the medium one) bracketed by a barrier and timed as the slower rank's, reported per step. The
-machine may be shared: rerun before trusting a ratio near the target.
+the medium one) bracketed by a barrier and timed as the slower rank's, reported per step; the
+ratio is the median of the per-round ratios. A round of the small model's DDP steps varies
+by about 30% on a 2-core machine, so that pair runs 600 rounds (the others 30). "cpu over plain
+ms" is the main thread's CPU time per step, ElasticStep's minus the hand-written loop's
+(medians, mean over ranks): the Python and copies a step adds, which the machine's load
+disturbs far less than wall time. The machine may be shared: rerun before trusting a ratio
+near the target.
 
 On one rank nothing is agreed on: ``ElasticStep`` runs DDP's microbatches under ``no_sync``
 and reduces nothing (its "vote" and "sync" columns are then Python only), and FSDP2's as on
@@ -65,7 +70,11 @@ import elastic_batches as eb
 TARGET = 1.05
 SPLIT = 4
 QUICK = os.environ.get("ELASTIC_BATCHES_BENCH_QUICK", "") not in ("", "0")
-ROUNDS = 6 if QUICK else 30
+# Rounds per model and scheme. A round of the small model's DDP steps (about 35 ms) varies by
+# about 30% on a 2-core machine, so the median of the per-round ratios needs many rounds to be
+# read to about 1.5% (600 rounds: about 40 s); the others vary less or are far from the target.
+ROUNDS = {("mlp-small", "ddp"): 600}
+DEFAULT_ROUNDS = 30
 MODELS = {
     # name: (features, hidden width, hidden layers, rows per rank)
     "mlp-small": (64, 128, 2, 64),  # little arithmetic: the protocol's fixed costs show
@@ -196,20 +205,25 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
     return variants, probes
 
 
-def _measure(rank: int, variants: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+def _measure(variants: dict[str, Callable[[], None]], rounds: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each variant's wall time per round (the slower rank's), and its median main-thread CPU time (mean over ranks)."""
     names = list(variants)
     for name in names:  # warm-up
         variants[name]()
     times: dict[str, list[float]] = {n: [] for n in names}
-    for round_ in range(ROUNDS):
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             variants[name]()
+            cpu[name].append(time.thread_time() - start_cpu)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's time
             times[name].append(float(elapsed))
-    return times
+    medians = torch.tensor([statistics.median(cpu[name]) for name in names], dtype=torch.float64)
+    dist.all_reduce(medians)
+    return times, dict(zip(names, (medians / dist.get_world_size()).tolist(), strict=True))
 
 
 def _repeated(fn: Callable[[], None], steps: int) -> Callable[[], None]:
@@ -263,12 +277,13 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
             steps = STEPS_PER_ROUND[name]
             timed = probes["timed"]
             timed.totals.update(vote=0.0, sync=0.0)
-            times = _measure(rank, {variant: _repeated(fn, steps) for variant, fn in variants.items()})
+            rounds = 6 if QUICK else ROUNDS.get((name, kind), DEFAULT_ROUNDS)
+            times, cpu = _measure({variant: _repeated(fn, steps) for variant, fn in variants.items()}, rounds)
             in_steps = dict(timed.totals)  # before the probes below call the timed methods again
             ddp = kind == "ddp"
             vote_alone = _vote_alone(probes["sync"], probes["params"])
             all_gather_vote = _vote_alone(probes["sync"], None)
-            calls = (ROUNDS + 1) * steps  # the warm-up ran once too
+            calls = (rounds + 1) * steps  # the warm-up ran once too
             plain = statistics.median(times["plain"]) / steps
             elastic = statistics.median(times["elastic"]) / steps
             record = {
@@ -281,6 +296,8 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 "plain_ms": 1e3 * plain,
                 "elastic_ms": 1e3 * elastic,
                 "ratio": statistics.median(e / p for e, p in zip(times["elastic"], times["plain"], strict=True)),
+                "rounds": rounds,
+                "cpu_over_plain_ms": 1e3 * (cpu["elastic"] - cpu["plain"]) / steps,
                 "vote_ms": 1e3 * in_steps["vote"] / calls,
                 "vote_alone_ms": 1e3 * vote_alone,
                 "all_gather_vote_ms": 1e3 * all_gather_vote,
@@ -321,20 +338,22 @@ def _run(world: int) -> list[dict[str, Any]]:
 
 def main() -> None:
     records = _run(2) + _run(1)
-    headers = ["ranks", "model", "scheme", "plain ms", "elastic ms", "ratio", "vote ms", "vote alone ms"]
-    headers += ["all_gather vote ms", "elastic sync ms", "plain sync ms", "collectives/step"]
+    headers = ["ranks", "model", "scheme", "rounds", "plain ms", "elastic ms", "ratio", "cpu over plain ms", "vote ms"]
+    headers += ["vote alone ms", "all_gather vote ms", "elastic sync ms", "plain sync ms", "collectives/step"]
     rows = []
     for r in records:
         plain_sync = f"{r['plain_sync_ms']:.2f}" if "plain_sync_ms" in r else "n/a"
         counts = (r["all_reduces_per_step"], r["all_gathers_per_step"], r["reduce_scatters_per_step"])
         collectives = "{:g} ar + {:g} ag + {:g} rs".format(*counts)
         rows.append(
-            [r["ranks"], r["model"], r["scheme"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}", f"{r['ratio']:.3f}",
-             f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}", f"{r['all_gather_vote_ms']:.2f}",
+            [r["ranks"], r["model"], r["scheme"], r["rounds"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}",
+             f"{r['ratio']:.3f}", f"{r['cpu_over_plain_ms']:.3f}", f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}",
+             f"{r['all_gather_vote_ms']:.2f}",
              f"{r['elastic_sync_ms']:.2f}", plain_sync, collectives]
         )  # fmt: skip
         if "kept_ms" in r:
-            kept = [r["ranks"], r["model"], "fsdp2 kept", f"{r['kept_ms']:.2f}", "", f"{r['ratio_to_kept']:.3f}"]
+            kept = [r["ranks"], r["model"], "fsdp2 kept", r["rounds"], f"{r['kept_ms']:.2f}", ""]
+            kept.append(f"{r['ratio_to_kept']:.3f}")
             rows.append(kept + [""] * (len(headers) - len(kept)))
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
     print(f"ElasticStep vs hand-written accumulation at split {SPLIT}, gloo ranks on CPU (target <= {TARGET}x)")
