@@ -239,20 +239,22 @@ class _VoteBytes:
     Each rank owns ``_VOTE_BYTES`` elements, one byte (0..255) of its four float64 per element;
     the others add zeros there, so the sum holds every rank's bytes exactly. A steady run casts
     the same vote step after step: the slots are written again only when this rank's bytes
-    change, and the sum is decoded again only when it differs from the last one decoded.
+    change, and the sum is decoded again only when it differs from the last one decoded. The
+    comparison runs on the host: a vote may follow an attempt that filled the device, so
+    nothing here allocates there.
 
     Args:
         rank: This rank.
         world: The number of ranks.
         dtype: The dtype of the collective that carries the vote (one of :data:`_BYTE_CARRIERS`).
-        device: Where the summed vote arrives.
     """
 
-    def __init__(self, rank: int, world: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, rank: int, world: int, dtype: torch.dtype) -> None:
         self.rank, self.world = rank, world
         self.host = torch.zeros(world * _VOTE_BYTES, dtype=dtype)  # this rank's slot, zeros in the others'
         self._written = b""
-        self._decoded = torch.zeros(world * _VOTE_BYTES, dtype=dtype, device=device)
+        self._received = torch.zeros(world * _VOTE_BYTES, dtype=dtype)  # the sum, copied to the host
+        self._decoded = torch.zeros(world * _VOTE_BYTES, dtype=dtype)  # the last sum decoded
         self._every_vote = struct.Struct(f"{world * _VOTE_VALUES}d")
         self._rows: _Rows | None = None
 
@@ -268,6 +270,9 @@ class _VoteBytes:
 
     def read(self, summed: torch.Tensor) -> _Rows:
         """Every rank's vote values from the summed slots."""
+        if summed.device.type != "cpu":
+            self._received.copy_(summed)
+            summed = self._received
         if self._rows is None or not torch.equal(summed, self._decoded):
             values = self._every_vote.unpack(bytes(map(round, summed.tolist())))
             self._rows = tuple(values[r * _VOTE_VALUES : (r + 1) * _VOTE_VALUES] for r in range(self.world))
@@ -632,7 +637,7 @@ class _DistributedDataParallel(_Agreeing):
             self._plan, self._plan_key, self._votes = None, (), None  # free the old buffers first
             plan = _FlatPlan(params, vote_numel=self.world_size * _VOTE_BYTES)
             if plan.vote is not None:
-                self._votes = _VoteBytes(self.rank, self.world_size, plan.vote.dtype, plan.vote.device)
+                self._votes = _VoteBytes(self.rank, self.world_size, plan.vote.dtype)
             self._plan, self._plan_key = plan, key
         assert self._plan is not None
         self._parts = self._plan.bind([p.grad for p in params if p.grad is not None])
@@ -776,7 +781,7 @@ class _FusedVote:
         self.receive = torch.zeros(slots + numel, dtype=dtype, device=device)
         # This rank's slots: written on the host, copied whole to the device (no temporary there), then
         # into every rank's part on the device.
-        self._votes = _VoteBytes(rank, world, dtype, device)
+        self._votes = _VoteBytes(rank, world, dtype)
         host = self._votes.host
         self._slots = host if self.send.device.type == "cpu" else torch.zeros_like(host, device=device)
 

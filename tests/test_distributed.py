@@ -1127,7 +1127,7 @@ def test_ddp_fused_vote_is_exact_in_any_gradient_dtype(ranks: RankPool, dtype: s
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_vote_bytes_carry_every_vote_exactly_and_decode_again_only_when_the_sum_changes(dtype: torch.dtype) -> None:
-    votes = [distributed._VoteBytes(rank, 2, dtype, "cpu") for rank in range(2)]
+    votes = [distributed._VoteBytes(rank, 2, dtype) for rank in range(2)]
 
     def exchange(mine: tuple[float, ...], theirs: tuple[float, ...]) -> Any:
         return votes[0].read(votes[0].slots(mine) + votes[1].slots(theirs))  # what the sum over ranks carries
