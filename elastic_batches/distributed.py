@@ -626,7 +626,7 @@ class _DistributedDataParallel(_Agreeing):
         return [p for p in params if id(p) not in self._ignored] if self._ignored else params
 
     # Without no_grad: nothing here is recorded by autograd (zeros, views of gradients), and the
-    # context costs more than the rest of a steady step's prepare.
+    # context took about a quarter of a steady step's prepare.
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         params = self._synced(params)
         self._used.record([p.grad is not None for p in params])
