@@ -82,6 +82,12 @@ def _batch(step: int, rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, x[:, :1].sin() + 0.1 * torch.randn(rows, 1, generator=generator)
 
 
+def _union_batch(step: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's batch of ``step``, concatenated in rank order: what full-batch training sees."""
+    x, y = zip(*(_batch(step, r, n) for r, n in enumerate(rows)), strict=True)
+    return torch.cat(x), torch.cat(y)
+
+
 def _loss_fn(model: nn.Module):
     def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = mb
@@ -101,7 +107,7 @@ def _reference(rows: list[int], steps: int, seed: int = 0, batch_norm: bool = Fa
     model = _plain_model(seed, batch_norm=batch_norm)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(steps):
-        x, y = (torch.cat(parts) for parts in zip(*(_batch(step, r, n) for r, n in enumerate(rows)), strict=True))
+        x, y = _union_batch(step, rows)
         optimizer.zero_grad()
         _loss_fn(model)((x, y)).backward()
         optimizer.step()
@@ -549,7 +555,7 @@ def _clipped(rank: int, world: int, kind: str) -> dict[str, Any]:
         optimizer.zero_grad()
         step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
         norm = step.optimizer_step(optimizer, max_grad_norm=0.05)
-        x, y = (torch.cat(parts) for parts in zip(*(_batch(i, r, n) for r, n in enumerate(rows)), strict=True))
+        x, y = _union_batch(i, rows)
         reference_optimizer.zero_grad()
         _loss_fn(reference)((x, y)).backward()
         reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
@@ -630,7 +636,7 @@ def _error_on_one_rank(rank: int, world: int, kind: str, warm_up: bool) -> dict[
 
 def _reference_grads(rows: list[int], step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     model = _plain_model().to(dtype)
-    x, y = (torch.cat(parts).to(dtype) for parts in zip(*(_batch(step, r, n) for r, n in enumerate(rows)), strict=True))
+    x, y = (t.to(dtype) for t in _union_batch(step, rows))
     _loss_fn(model)((x, y)).backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
@@ -901,7 +907,7 @@ def _frozen_then_trained(rank: int, world: int) -> dict[str, Any]:
         step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
         grads.append(plain[0].weight.grad is not None)
         optimizer.step()
-        x, y = (torch.cat(parts) for parts in zip(*(_batch(i, r, n) for r, n in enumerate(rows)), strict=True))
+        x, y = _union_batch(i, rows)
         reference_optimizer.zero_grad(set_to_none=True)
         _loss_fn(reference)((x, y)).backward()
         reference_optimizer.step()
@@ -1083,7 +1089,7 @@ def _freeze_later(rank: int, world: int) -> dict[str, Any]:
         with _counting_collectives() as counts:
             step.backward(_batch(i, rank, 12), _loss_fn(model))
         per_step.append(counts[GATHER])
-        x, y = (torch.cat(parts) for parts in zip(*(_batch(i, r, 12) for r in range(world)), strict=True))
+        x, y = _union_batch(i, [12] * world)
         _loss_fn(reference)((x, y)).backward()
         got = [p.grad for p in model.parameters() if p.grad is not None]
         want = [p.grad for p in reference.parameters() if p.grad is not None]
