@@ -9,12 +9,29 @@ same path it takes on a GPU:
   activations that autograd keeps for backward.
 * :func:`inject_oom`, :func:`inject_oom_in_optimizer` and :func:`inject_oom_in_transfer` raise
   at an exact, chosen point: a forward call, the backward of a forward call, an optimizer step
-  or the device transfer of a microbatch, optionally on one ``torch.distributed`` rank only.
+  or the device transfer of a microbatch, optionally on one ``torch.distributed`` rank only;
+  :func:`inject_oom_in_cut` and :func:`inject_oom_in_op` strike in the cut of a padded
+  microbatch and in any chosen aten operator (a concatenation, a stack, a buffer's allocation).
 
 See ``docs/testing.md`` for a walk-through.
 """
 
-from elastic_batches.testing.injection import OOMInjection, inject_oom, inject_oom_in_optimizer, inject_oom_in_transfer
+from elastic_batches.testing.injection import (
+    OOMInjection,
+    inject_oom,
+    inject_oom_in_cut,
+    inject_oom_in_op,
+    inject_oom_in_optimizer,
+    inject_oom_in_transfer,
+)
 from elastic_batches.testing.memory import MemoryBudget
 
-__all__ = ["MemoryBudget", "OOMInjection", "inject_oom", "inject_oom_in_optimizer", "inject_oom_in_transfer"]
+__all__ = [
+    "MemoryBudget",
+    "OOMInjection",
+    "inject_oom",
+    "inject_oom_in_cut",
+    "inject_oom_in_op",
+    "inject_oom_in_optimizer",
+    "inject_oom_in_transfer",
+]

@@ -1,16 +1,24 @@
-"""OOM injection at a chosen phase, call or rank (forward, backward, optimizer step, device transfer)."""
+"""OOM injection at a chosen phase, call or rank (forward, backward, optimizer step, device transfer, cut, any op)."""
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["OOMInjection", "inject_oom", "inject_oom_in_optimizer", "inject_oom_in_transfer"]
+__all__ = [
+    "OOMInjection",
+    "inject_oom",
+    "inject_oom_in_cut",
+    "inject_oom_in_op",
+    "inject_oom_in_optimizer",
+    "inject_oom_in_transfer",
+]
 
 _PHASES = ("forward", "backward")
 
@@ -320,4 +328,116 @@ def inject_oom_in_transfer(*, calls: int | Iterable[int] = 0, rank: int | None =
         return original(self, *args, **kwargs)
 
     handle._handles.append(_MethodPatch(Microbatch, "to", to))
+    return handle
+
+
+def inject_oom_in_cut(*, calls: int | Iterable[int] = 0, rank: int | None = None) -> OOMInjection:
+    """Raises :class:`torch.OutOfMemoryError` in chosen cuts of a padded microbatch.
+
+    Counts the calls of ``Padding.piece`` — what cutting a padded batch (a loader with
+    ``pad_values``) into microbatches does for each microbatch: slicing, trimming to its longest
+    sample and copying, which allocates on the batch's device — numbered from 0 over the
+    handle's lifetime, and raises at the chosen ones before anything is cut. Only one injection
+    of this kind can be active at a time.
+
+    Args:
+        calls: The cut number, or numbers, to raise at (from 0). Default: the first cut.
+        rank: Raise only on this ``torch.distributed`` rank; ``None`` (default) on every rank.
+
+    Returns:
+        An :class:`OOMInjection` handle (context manager, ``remove()``, ``fired``, ``calls_seen``).
+
+    Raises:
+        ValueError: If ``calls`` or ``rank`` is negative or ``calls`` is empty.
+
+    Example:
+        >>> import torch
+        >>> import elastic_batches as eb
+        >>> from elastic_batches.testing import inject_oom_in_cut
+        >>> samples = [{"ids": torch.ones(n, dtype=torch.long)} for n in (2, 7, 3, 5)]
+        >>> batch = eb.ElasticCollate(pad_values={"ids": 0})(samples)
+        >>> step = eb.ElasticStep(torch.nn.Embedding(2, 1), controller=eb.SplitController(split_count=2))
+        >>> with inject_oom_in_cut(calls=1) as oom:
+        ...     _ = step.backward(batch, lambda mb: step.model(mb["ids"]).mean())
+        >>> oom.fired, step.controller.split_count
+        (1, 4)
+    """
+    from elastic_batches.padding import Padding
+
+    handle = OOMInjection("Padding", "cut", _call_set(calls, "cut"), _check_rank(rank))
+    original = Padding.piece
+
+    def piece(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handle._count_call("at cut")
+        return original(self, *args, **kwargs)
+
+    handle._handles.append(_MethodPatch(Padding, "piece", piece))
+    return handle
+
+
+class _OpMode(TorchDispatchMode):
+    """Counts the calls of one aten op and hands each to its injection."""
+
+    def __init__(self, packet: Any, count: Callable[[], None]) -> None:
+        super().__init__()
+        self._packet, self._count = packet, count
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket is self._packet:
+            self._count()
+        return func(*args, **(kwargs or {}))
+
+
+class _ModeExit:
+    """Leaves a dispatch mode entered by an injection (an ``OOMInjection`` handle entry)."""
+
+    def __init__(self, mode: TorchDispatchMode) -> None:
+        self._mode = mode
+        mode.__enter__()
+
+    def remove(self) -> None:
+        self._mode.__exit__(None, None, None)
+
+
+def inject_oom_in_op(op: Any, *, calls: int | Iterable[int] = 0, rank: int | None = None) -> OOMInjection:
+    """Raises :class:`torch.OutOfMemoryError` in chosen calls of one aten operator, as its allocation would.
+
+    While the handle is active (a dispatch mode, entered when the handle is made: use it as a
+    context manager), the calls of ``op`` on this thread are numbered from 0, whatever their
+    overload, and the chosen ones raise before they run. It reaches what no module hook does:
+    the ``aten.cat`` of padding, the ``aten.stack`` of losses, the ``aten.empty`` of a
+    collective's buffer.
+
+    Args:
+        op: The operator, as ``torch.ops.aten.stack`` (or one overload of it, as
+            ``torch.ops.aten.stack.default``).
+        calls: The call number, or numbers, to raise at (from 0). Default: the first call.
+        rank: Raise only on this ``torch.distributed`` rank; ``None`` (default) on every rank.
+
+    Returns:
+        An :class:`OOMInjection` handle (context manager, ``remove()``, ``fired``, ``calls_seen``).
+
+    Raises:
+        TypeError: ``op`` is not an aten operator.
+        ValueError: If ``calls`` or ``rank`` is negative or ``calls`` is empty.
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.testing import inject_oom_in_op
+        >>> with inject_oom_in_op(torch.ops.aten.cat, calls=1) as oom:
+        ...     _ = torch.cat([torch.ones(2), torch.ones(2)])  # call 0 runs
+        ...     try:
+        ...         _ = torch.cat([torch.ones(2), torch.ones(2)])
+        ...     except torch.OutOfMemoryError as err:
+        ...         print(err)
+        CUDA out of memory (injected by elastic_batches.testing at call 1 of aten.cat)
+    """
+    packet = getattr(op, "overloadpacket", op)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise TypeError(
+            f"inject_oom_in_op needs an aten operator such as torch.ops.aten.cat, got {op!r}: pass the operator "
+            "whose allocation should run out of memory"
+        )
+    handle = OOMInjection(str(packet), "op", _call_set(calls, "op call"), _check_rank(rank))
+    handle._handles.append(_ModeExit(_OpMode(packet, lambda: handle._count_call("at call"))))
     return handle
