@@ -164,6 +164,10 @@ class GradientSync:
         """The model's parameters, as ``model.parameters()`` lists them."""
         return self._fixed_parameters if self._fixed_parameters is not None else self.model.parameters()
 
+    def graph_leaf_ids(self) -> set[int]:
+        """The ``id`` of every tensor a microbatch's autograd graph may accumulate a parameter gradient into."""
+        return {id(p) for p in self.parameters()}
+
     def check_gather(self) -> Outcome:
         """Before an attempt: every rank learns whether every rank can hold what the attempt gathers first.
 
@@ -841,10 +845,17 @@ class _FullyShard(_Agreeing):
                     f"ElasticStep: parameter {name!r} of the FSDP2 model is not sharded by fully_shard "
                     "(ignored_params?); shard every trained parameter"
                 )
-        meshes = {id(fp.sharded_param.device_mesh): fp.sharded_param.device_mesh for fp in self._params}
+        # fully_shard without mesh= makes a new, equal DeviceMesh per call: meshes are compared by equality.
+        meshes: list[Any] = []
+        for fp in self._params:
+            if not any(fp.sharded_param.device_mesh == seen for seen in meshes):
+                meshes.append(fp.sharded_param.device_mesh)
         if len(meshes) != 1:
-            raise NotImplementedError(f"ElasticStep supports FSDP2 over one device mesh, got {len(meshes)}")
-        (mesh,) = meshes.values()
+            raise NotImplementedError(
+                f"ElasticStep supports FSDP2 over one device mesh, got {len(meshes)} different meshes: "
+                "shard every module of the model over the same mesh"
+            )
+        (mesh,) = meshes
         for fp in self._params:
             p = fp.sharded_param
             if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or not isinstance(p, DTensor) or p.dim() == 0:
@@ -953,6 +964,10 @@ class _FullyShard(_Agreeing):
                 group.post_forward_mesh_info = post_forward
                 group.reshard_after_backward = after_backward
                 group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce
+
+    def graph_leaf_ids(self) -> set[int]:
+        # FSDP2's forward runs on the unsharded parameters, whose gradients it reduces into the sharded ones.
+        return super().graph_leaf_ids() | {id(fp._unsharded_param) for fp in self._params}
 
     def _drop_unsharded_grads(self) -> None:
         for fp in self._params:
@@ -1077,7 +1092,7 @@ class _FullyShard(_Agreeing):
                     e.sharded.grad = None
                     continue
                 e.sharded.grad = DTensor.from_local(
-                    e.local, self.mesh, e.sharded.placements, run_check=False, shape=e.sharded.shape,
+                    e.local, e.sharded.device_mesh, e.sharded.placements, run_check=False, shape=e.sharded.shape,
                     stride=e.sharded.stride(),
                 )  # fmt: skip
         self.discard()
