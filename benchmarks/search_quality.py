@@ -18,6 +18,9 @@ fewest microbatches possible (``ceil(B / largest)``), the OOMs spent in all, and
 first successful step at the settled size (0 is required). The library's targets: size ratio
 >= 0.9 (of what a balanced split of ``B`` can reach) and at most ``ceil(log2(B)) + 4`` OOMs.
 
+A second table runs sequences of batch sizes: a small batch first (a smoke test, a last partial
+batch), then larger ones that fit whole; a success must not cap the later batches.
+
 Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact).
 """
 
@@ -72,7 +75,7 @@ class _SizeSearch(_Policy):
         return rows if self.size is None else min(self.size, rows)  # pieces of `size` rows and a remainder
 
     def success(self, size: int, rows: int) -> None:
-        self.size = size
+        pass  # a size is learned from OOMs only: a small batch that fitted does not shrink it
 
     def oom(self, size: int, rows: int) -> None:
         new = self.shrink(size)
@@ -133,6 +136,53 @@ def run(policy_name: str, rows: int, largest: int, steps: int = STEPS) -> dict[s
         "oom_bound": math.ceil(math.log2(rows)) + 4,
         "ooms_at_or_below_settled": ooms_after_settled,
     }
+
+
+def run_sequence(policy_name: str, batches: list[int], largest: int) -> tuple[list[int], int]:
+    """Train on batches of the given rows in turn; the microbatches each ran as, and the OOMs spent."""
+    policy = POLICIES[policy_name]()
+    counts, ooms = [], 0
+    for rows in batches:
+        while True:
+            size = policy.plan(rows)
+            if size <= largest:
+                policy.success(size, rows)
+                counts.append(math.ceil(rows / size))
+                break
+            ooms += 1
+            policy.oom(size, rows)
+    return counts, ooms
+
+
+# A small batch first, or batches smaller than the later ones: what fitted is a lower bound, never a ceiling.
+SEQUENCES = {
+    "8 rows once, then 1024 (fits whole)": ([8] + [1024] * 20, 1024, 20),
+    "256 rows x 20, then 300 (fits whole)": ([256] * 20 + [300] * 20, 300, 20),
+    "256 rows x 20, then 300 (fits 280)": ([256] * 20 + [300] * 20, 280, 20),
+}
+
+
+def sequences() -> list[list[object]]:
+    """Per sequence and policy: microbatches of each of the later batches (max), fewest possible, OOMs."""
+    rows_out: list[list[object]] = []
+    for name, (batches, largest, later) in SEQUENCES.items():
+        fewest = math.ceil(batches[-1] / largest)
+        row: list[object] = [name, fewest]
+        for policy in POLICIES:
+            counts, ooms = run_sequence(policy, batches, largest)
+            row += [max(counts[-later:]), ooms]
+            emit(
+                {
+                    "benchmark": "search_quality_sequence",
+                    "sequence": name,
+                    "policy": policy,
+                    "later_microbatches": max(counts[-later:]),
+                    "fewest": fewest,
+                    "ooms": ooms,
+                }
+            )
+        rows_out.append(row)
+    return rows_out
 
 
 def sweep() -> list[tuple[int, int]]:
@@ -202,6 +252,11 @@ def main() -> None:
     )
     for r in results:
         emit({"benchmark": "search_quality", **r})
+    headers = ["sequence", "fewest"]
+    for name in POLICIES:
+        headers += [f"{name} microbatches", f"{name} OOMs"]
+    print("\nsequences of batch sizes (microbatches: the most any of the later batches ran as)")
+    print(table(headers, sequences()))
 
 
 if __name__ == "__main__":

@@ -89,22 +89,37 @@ class SettledSplit:
     """
 
     start_split_count: int
-    capacity: int | None  # the microbatch size a settled count keeps to; None: nothing learned yet
+    capacity: int | None  # the largest microbatch a settled count keeps to; None: no OOM known, no limit
     min_microbatch_size: int
     max_split_count: int | None
     unit: str
+    fits: int = 0  # the largest microbatch that fitted (0: none): without an OOM known, never more pieces than it needs
+    source: object = dataclasses.field(default=None, compare=False, repr=False)  # the controller that settled it
 
     def count_for(self, rows: int | BatchLoad) -> int:
         """The count for a batch of ``rows`` rows (``unit="tokens"``: its ``BatchLoad``)."""
-        if type(rows) is int:
-            count = self.start_split_count if self.capacity is None else rows_within(rows, self.capacity)
+        if type(rows) is int:  # the rows unit, without a BatchLoad to build
+            if self.capacity is not None:
+                count = rows_within(rows, self.capacity)
+            else:
+                count = self.start_split_count
+                if self.fits:
+                    count = min(count, rows_within(rows, self.fits))
             return self.clamp(rows, count)
         assert isinstance(rows, BatchLoad)
         return self.clamp(rows.rows, self.unclamped(rows))
 
     def unclamped(self, load: BatchLoad) -> int:
-        """The count that keeps to the capacity, before the limits."""
-        return self.start_split_count if self.capacity is None else load.count_within(self.capacity)
+        """The count that keeps to the capacity, before the limits.
+
+        Without an OOM known, nothing caps a microbatch: the starting count, or fewer pieces
+        when a larger microbatch already fitted.
+        """
+        if self.capacity is not None:
+            return load.count_within(self.capacity)
+        if self.fits:
+            return min(self.start_split_count, load.count_within(self.fits))
+        return self.start_split_count
 
     def clamp(self, rows: int, count: int) -> int:
         """``count`` within the limits: at most ``rows``, ``max_split_count``, ``rows // min_microbatch_size``."""
@@ -152,8 +167,9 @@ class SplitController:
         (2, 128)
         >>> from elastic_batches import BatchLoad
         >>> tokens = SplitController(unit="tokens")
-        >>> tokens.record_success(size=512, rows=BatchLoad(16, [32] * 16))  # 16 x 32 fitted
-        >>> tokens.count_for(BatchLoad(16, [128] * 16))  # 4x longer: 4x the microbatches
+        >>> tokens.record_oom(size=1024, rows=BatchLoad(16, [64] * 16))  # 16 x 64 did not fit
+        >>> tokens.record_success(size=512, rows=BatchLoad(16, [64] * 16))  # 8 x 64 fitted
+        >>> tokens.count_for(BatchLoad(16, [128] * 16))  # 2x longer: 2x the microbatches
         4
     """
 
@@ -234,7 +250,13 @@ class SplitController:
     def _resettle(self) -> None:
         """Make :attr:`settled` anew from what the controller knows now (after every change of it)."""
         self._settled = SettledSplit(
-            self._start_split_count, self._capacity(), self._min_microbatch_size, self._max_split_count, self.unit
+            self._start_split_count,
+            self._capacity(),
+            self._min_microbatch_size,
+            self._max_split_count,
+            self.unit,
+            self._fits,
+            self,
         )
 
     @property
@@ -246,12 +268,13 @@ class SplitController:
 
     @property
     def microbatch_size(self) -> int | None:
-        """The largest microbatch (rows) the controller uses now; ``None`` before anything was learned."""
-        if self._fits:
-            return self._fits
-        if self._fails is not None:
-            return max(self.min_microbatch_size if self.unit == "rows" else 1, (self._fails + 1) // 2)
-        return None
+        """The largest microbatch a settled count keeps to (rows, or tokens); ``None`` while no OOM is known.
+
+        Only a failure limits a plan: it is the largest size that fitted below the smallest
+        failure, or half that failure while none fitted. A success alone limits nothing (a
+        larger batch runs at the count asked, and the controller learns from what happens).
+        """
+        return self._settled.capacity
 
     def _load(self, rows: int | BatchLoad) -> BatchLoad:
         if isinstance(rows, BatchLoad):
@@ -283,17 +306,22 @@ class SplitController:
             return self._settled.count_for(rows)
         return self._settled.count_for(self._load(rows))
 
-    def plan(self, rows: int | BatchLoad) -> int:
+    def plan(self, rows: int | BatchLoad, *, tag: int | None = None) -> int:
         """The count to try next on a batch of ``rows`` rows; may probe a larger microbatch.
 
         Args:
             rows: The batch's rows on this process (``unit="tokens"``: its ``BatchLoad``).
+            tag: The count the batch was tagged with (``batch.split_count``). A tag above the
+                settled count (set by hand, or from before the controller learned that a larger
+                microbatch fits) is obeyed; one at or below it does not stop a probe.
 
         Returns:
             A count between 1 and ``rows``.
         """
         load = self._load(rows)  # asking changes nothing: only record_success / record_oom learn
         settled = self._settled.unclamped(load)
+        if tag is not None and tag > settled:
+            return self._settled.clamp(load.rows, tag)
         count = settled
         if self._grow_pending:
             count = settled - 1
@@ -306,12 +334,12 @@ class SplitController:
         return self._settled.clamp(load.rows, max(count, 1))
 
     def _capacity(self) -> int | None:
-        """The microbatch size a settled count keeps to: the largest that fitted, else half the smallest that failed."""
+        """What :attr:`microbatch_size` says, worked out from what the controller knows now."""
+        if self._fails is None:
+            return None  # a success is a lower bound, never a ceiling
         if self._fits:
             return self._fits
-        if self._fails is not None:
-            return max(1, (self._fails + 1) // 2)
-        return None
+        return max(1, (self._fails + 1) // 2)
 
     # -- what happened ------------------------------------------------------------------------
 
@@ -330,8 +358,10 @@ class SplitController:
             self._grow_wait = self.grow_after  # a growth probe succeeded: probe at the base rate again
         self._fits = max(self._fits, size)
         if self._fails is not None and self._fits >= self._fails:
-            self._fails = None  # memory grew past an old failure
-        if self._capacity() != self._settled.capacity:
+            # Memory grew past an old failure (or that failure was at the edge): it moves to just above what
+            # fitted, so a larger microbatch waits for a growth probe instead of being tried on every batch.
+            self._fails = self._fits + 1
+        if self._capacity() != self._settled.capacity or self._fits != self._settled.fits:
             self._resettle()
         self._last_rows = load
         self._tried.clear()
@@ -437,11 +467,12 @@ class SplitController:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned.
+        """Restore what :meth:`state_dict` returned: every field is checked before any is applied.
 
         Raises:
-            ValueError: keys are missing or unexpected (both are named), or the version is not
-                one this code writes.
+            ValueError: keys are missing or unexpected (both are named), the version is not one
+                this code writes, or a field has the wrong type or range (named); the controller is
+                then unchanged.
         """
         check_state_dict("SplitController", state, _STATE_KEYS, _STATE_VERSION)
         if state["unit"] != self.unit:
@@ -449,17 +480,56 @@ class SplitController:
                 f"SplitController.load_state_dict: the state was learned with unit={state['unit']!r}, this "
                 f"controller has unit={self.unit!r}: create it with SplitController(unit={state['unit']!r})"
             )
-        self._start_split_count = int(state["start_split_count"])
-        self._fits = int(state["fits"])
-        self._fails = None if state["fails"] is None else int(state["fails"])
+        _state_int(state, "start_split_count", low=1)
+        _state_int(state, "fits", low=0)
+        _state_int(state, "fails", low=1, allow_none=True)
+        _state_int(state, "last_rows", low=1, allow_none=True)
+        _state_int(state, "steps_since_oom", low=0)
+        _state_int(state, "grow_wait", low=1, allow_none=True)
+        for key in ("oom_count", "retry_count", "discarded_microbatches"):
+            _state_int(state, key, low=0)
+        if not isinstance(state["grow_pending"], bool):
+            raise _state_error("grow_pending", "a bool", state["grow_pending"])
+        if state["fails"] is not None and state["fits"] >= state["fails"]:
+            raise _state_error("fits", f"below fails={state['fails']} (the smallest size that failed)", state["fits"])
+        last: BatchLoad | None = None
+        if state["last_rows"] is not None:
+            lengths = state["last_lengths"]
+            if lengths is not None and (
+                not isinstance(lengths, (list, tuple))
+                or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
+            ):
+                raise _state_error("last_lengths", "None or a list of ints", lengths)
+            try:
+                last = BatchLoad(state["last_rows"], lengths)
+            except ValueError as err:
+                raise _state_error("last_lengths", f"one length per row of last_rows ({err})", lengths) from err
+        elif state["last_lengths"] is not None:
+            raise _state_error("last_lengths", "None when last_rows is None", state["last_lengths"])
+        self._start_split_count = state["start_split_count"]
+        self._fits = state["fits"]
+        self._fails = state["fails"]
         self._resettle()
-        self._last_rows = (
-            None if state["last_rows"] is None else BatchLoad(int(state["last_rows"]), state["last_lengths"])
-        )
-        self._steps_since_oom = int(state["steps_since_oom"])
-        self._grow_pending = bool(state["grow_pending"])
-        self._grow_wait = None if state["grow_wait"] is None else int(state["grow_wait"])
+        self._last_rows = last
+        self._steps_since_oom = state["steps_since_oom"]
+        self._grow_pending = state["grow_pending"]
+        self._grow_wait = state["grow_wait"]
         self._tried.clear()
-        self.oom_count = int(state["oom_count"])
-        self.retry_count = int(state["retry_count"])
-        self.discarded_microbatches = int(state["discarded_microbatches"])
+        self.oom_count = state["oom_count"]
+        self.retry_count = state["retry_count"]
+        self.discarded_microbatches = state["discarded_microbatches"]
+
+
+def _state_error(key: str, expected: str, value: Any) -> ValueError:
+    return ValueError(
+        f"SplitController.load_state_dict: state[{key!r}] must be {expected}, got {value!r}; nothing was loaded. "
+        "Pass a dict produced by SplitController.state_dict()"
+    )
+
+
+def _state_int(state: Mapping[str, Any], key: str, *, low: int, allow_none: bool = False) -> None:
+    value = state[key]
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _state_error(key, f"an int >= {low}" + (" or None" if allow_none else ""), value)

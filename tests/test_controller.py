@@ -407,3 +407,75 @@ def test_limits_set_later_apply_to_the_next_count_and_are_checked() -> None:
     with pytest.raises(ValueError, match="min_microbatch_size must be an int >= 1, got 1.5"):
         controller.min_microbatch_size = 1.5  # type: ignore[assignment]
     assert (controller.max_split_count, controller.min_microbatch_size) == (3, 32)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"start_split_count": 0}, r"state\['start_split_count'\] must be an int >= 1, got 0"),
+        ({"fits": -8}, r"state\['fits'\] must be an int >= 0, got -8"),
+        ({"fails": 0}, r"state\['fails'\] must be an int >= 1 or None, got 0"),
+        ({"fits": "8"}, r"state\['fits'\] must be an int >= 0, got '8'"),
+        ({"fits": 64, "fails": 32}, r"state\['fits'\] must be below fails=32 .*, got 64"),
+        ({"grow_pending": 1}, r"state\['grow_pending'\] must be a bool, got 1"),
+        ({"grow_wait": 0}, r"state\['grow_wait'\] must be an int >= 1 or None, got 0"),
+        ({"oom_count": -1}, r"state\['oom_count'\] must be an int >= 0, got -1"),
+        ({"last_rows": 3, "last_lengths": [4, 4]}, r"state\['last_lengths'\] must be one length per row"),
+        ({"last_rows": None, "last_lengths": [4]}, r"state\['last_lengths'\] must be None when last_rows is None"),
+        ({"last_rows": 2.5}, r"state\['last_rows'\] must be an int >= 1 or None, got 2\.5"),
+    ],
+    ids=[
+        "start-zero",
+        "fits-negative",
+        "fails-zero",
+        "fits-string",
+        "fits-over-fails",
+        "grow-pending-int",
+        "grow-wait-zero",
+        "oom-count-negative",
+        "lengths-per-row",
+        "lengths-without-rows",
+        "rows-float",
+    ],
+)
+def test_a_bad_field_is_named_and_nothing_is_loaded(changes: dict[str, Any], message: str) -> None:
+    """Every field is checked before any is applied: a bad one late in the state leaves the early ones alone."""
+    source = eb.SplitController(split_count=2)
+    source.record_oom(64, 64)
+    source.record_success(32, 64)
+    state = {**source.state_dict(), "start_split_count": 5, "retry_count": 7, **changes}
+    controller = eb.SplitController(split_count=3)
+    controller.record_oom(48, 48)
+    before = controller.state_dict()
+    with pytest.raises(ValueError, match=rf"SplitController\.load_state_dict: {message}"):
+        controller.load_state_dict(state)
+    assert controller.state_dict() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# A success is a lower bound, never a ceiling
+
+
+def test_a_small_batch_that_fitted_does_not_cap_a_larger_one() -> None:
+    controller = eb.SplitController()
+    controller.record_success(8, 8)  # a smoke test, a last partial batch, a resumed run
+    assert controller.plan(1024) == 1 and controller.count_for(1024) == 1
+    oracle = Oracle(controller, 1024, 1024).run(5)  # the whole batch fits
+    assert oracle.ooms == 0 and set(oracle.sizes) == {1024}
+
+
+def test_batches_larger_than_those_that_fitted_run_whole_until_an_oom_says_otherwise() -> None:
+    controller = eb.SplitController()
+    Oracle(controller, 256, 300).run(20)
+    assert controller.plan(300) == 1
+    assert Oracle(controller, 300, 300).run(5).ooms == 0
+    limited = Oracle(controller, 300, 280).run(10)  # one OOM teaches it: then 2 microbatches of 150
+    assert limited.ooms == 1 and limited.sizes[-1] == 150
+
+
+def test_a_known_failure_still_limits_the_plan() -> None:
+    controller = eb.SplitController()
+    controller.record_oom(512, 512)
+    controller.record_success(256, 512)
+    assert controller.count_for(1024) == 4  # microbatches of what fitted, under the failure at 512
+    assert controller.count_for(200) == 1  # a batch that fits whole below it runs whole

@@ -306,7 +306,8 @@ def test_loader_keeps_its_padding_arguments_as_attributes_and_rebuilds_from_them
 
 def test_loader_tags_with_the_tokens_controller() -> None:
     controller = eb.SplitController(unit="tokens")
-    controller.record_success(size=64, rows=eb.BatchLoad(8, [8] * 8))
+    controller.record_oom(size=128, rows=eb.BatchLoad(8, [16] * 8))
+    controller.record_success(size=64, rows=eb.BatchLoad(8, [16] * 8))
     loader = eb.MicrobatchingDataLoader(make_samples([16] * 8), batch_size=8, pad_values=PAD, controller=controller)
     batch = next(iter(loader))
     assert batch.split_count == 2
