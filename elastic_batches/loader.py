@@ -14,6 +14,7 @@ from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
+from elastic_batches._loader_state import check_loader_state
 from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
@@ -345,11 +346,17 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         The controller learned microbatch sizes, which hold for any batch size; the position in
         the epoch does not, so a state saved with another ``batch_size`` is refused.
 
+        Every part is checked before any is applied: a state that would fail at the next
+        ``iter()`` is refused here, and the loader and its controller are then unchanged.
+
         Raises:
-            ValueError: keys are missing or unexpected, the version is unknown, or the state was
-                saved by a loader with another ``batch_size``.
+            ValueError: keys are missing or unexpected, the version is unknown, the state was
+                saved by a loader with another ``batch_size`` or ``num_workers``, or a part of it
+                is not what a ``state_dict()`` writes (the message names it).
         """
         check_state_dict("MicrobatchingDataLoader", state_dict, _STATE_KEYS, _STATE_VERSION)
+        check_loader_state(state_dict["loader"], self.num_workers)
+        self._check_sampler_state(state_dict["loader"])
         if state_dict["batch_size"] != self.batch_size:
             raise ValueError(
                 f"MicrobatchingDataLoader.load_state_dict: the state was saved with batch_size="
@@ -357,5 +364,30 @@ class MicrobatchingDataLoader(StatefulDataLoader):
                 "epoch would be wrong. Resume with the same batch_size, or load only the controller's state: "
                 "loader.controller.load_state_dict(state['controller'])"
             )
-        self.controller.load_state_dict(state_dict["controller"])  # first: it validates, the inner loader does not
+        self.controller.load_state_dict(state_dict["controller"])  # checks all its fields before it applies any
         super().load_state_dict(state_dict["loader"])
+
+    def _check_sampler_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse a state of the batch sampler ``batch_size=`` built here that it could not resume from."""
+        if not state or type(self.batch_sampler) is not _BatchSampler:
+            return
+        main = state["_snapshot"]["_main_snapshot"] if "_snapshot" in state else state
+        batches = main["_sampler_iter_state"]
+        where = "state['loader']['_sampler_iter_state']"
+        if not isinstance(batches, Mapping) or not isinstance(batches.get("samples_yielded"), int):
+            raise ValueError(
+                f"MicrobatchingDataLoader.load_state_dict: {where} must be a dict with an int 'samples_yielded' (the "
+                f"batch sampler's position), got {batches!r}; nothing was loaded"
+            )
+        order = batches.get("sampler_iter_state")
+        if isinstance(self.batch_sampler.sampler, _ShuffleSampler) and order is not None:
+            size = len(self.batch_sampler.sampler.data_source)
+            yielded, generator = (
+                (order.get("yielded"), order.get("generator")) if isinstance(order, Mapping) else (None, None)
+            )
+            if not (isinstance(yielded, int) and 0 <= yielded <= size and isinstance(generator, torch.Tensor)):
+                raise ValueError(
+                    f"MicrobatchingDataLoader.load_state_dict: {where}['sampler_iter_state'] must hold the shuffled "
+                    f"epoch's position ('yielded', 0 to {size}) and its generator state, got {order!r}; nothing "
+                    "was loaded"
+                )

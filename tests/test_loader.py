@@ -6,6 +6,7 @@ import copy
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +383,89 @@ def test_bad_controller_state_inside_a_loader_state_is_named_and_changes_nothing
     with pytest.raises(ValueError, match=r"SplitController\.load_state_dict: missing keys \['fits'\]"):
         loader.load_state_dict(state)
     assert [_rows(b) for b in loader] == expected  # the position was not loaded either
+
+
+def _saved_mid_epoch(**kwargs: Any) -> dict[str, Any]:
+    """The state of a loader two batches into its epoch (``kwargs`` go to ``_loader``)."""
+    saved = _loader(**kwargs)
+    iterator = iter(saved)
+    next(iterator), next(iterator)
+    state = copy.deepcopy(saved.state_dict())
+    del iterator
+    return state
+
+
+def _garbled(state: dict[str, Any], *path: str, value: Any) -> dict[str, Any]:
+    state = copy.deepcopy(state)
+    inner = state["loader"]
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return state
+
+
+def _misspelt(state: dict[str, Any]) -> dict[str, Any]:
+    state["loader"]["fetcher_state_"] = state["loader"].pop("fetcher_state")
+    return state
+
+
+@pytest.mark.parametrize(
+    ("garble", "message"),
+    [
+        (
+            lambda state: _garbled(state, "_num_yielded", value="two"),
+            r"state\['loader'\]\['_num_yielded'\] must be an int >= 0, got 'two'",
+        ),
+        (
+            lambda state: _garbled(state, "_iterator_finished", value=0),
+            r"state\['loader'\]\['_iterator_finished'\] must be a bool, got 0",
+        ),
+        (
+            _misspelt,
+            r"state\['loader'\] has missing keys \['fetcher_state'\] and unexpected keys \['fetcher_state_'\]",
+        ),
+        (
+            lambda state: _garbled(state, "_sampler_iter_state", value={"yielded": 6}),
+            r"state\['loader'\]\['_sampler_iter_state'\] must be a dict with an int 'samples_yielded'",
+        ),
+    ],
+    ids=["count-a-string", "finished-an-int", "misspelt-key", "sampler-state"],
+)
+def test_a_garbled_position_is_refused_at_load_time_and_changes_nothing(
+    garble: Callable[[dict[str, Any]], dict[str, Any]], message: str
+) -> None:
+    state = garble(_saved_mid_epoch())
+    loader = _loader()
+    learned = eb.SplitController()
+    learned.record_oom(48, 48)
+    loader.controller.load_state_dict(learned.state_dict())
+    before = loader.controller.state_dict()
+    expected = [_rows(b) for b in _loader()]
+    with pytest.raises(ValueError, match=rf"MicrobatchingDataLoader\.load_state_dict: {message}"):
+        loader.load_state_dict(state)
+    assert loader.controller.state_dict() == before
+    assert [_rows(b) for b in loader] == expected
+
+
+def test_a_shuffled_position_out_of_the_epoch_is_refused() -> None:
+    state = _saved_mid_epoch()  # _loader shuffles
+    order = state["loader"]["_sampler_iter_state"]["sampler_iter_state"]
+    order["yielded"] = 10**6
+    with pytest.raises(ValueError, match=r"must hold the shuffled epoch's position \('yielded', 0 to \d+\)"):
+        _loader().load_state_dict(state)
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(0, 2), (2, 0), (2, 1)], ids=["0-to-2", "2-to-0", "2-to-1"])
+def test_a_position_saved_with_other_workers_says_so(saved: int, loaded: int) -> None:
+    state = _saved_mid_epoch(num_workers=saved)
+    loader = _loader(num_workers=loaded)
+    with pytest.raises(
+        ValueError,
+        match=rf"saved by a loader with num_workers={saved}, this loader has num_workers={loaded}.*"
+        r"loader\.controller\.load_state_dict\(state\['controller'\]\)",
+    ):
+        loader.load_state_dict(state)
+    loader.controller.load_state_dict(state["controller"])  # the documented way to keep what was learned
 
 
 # ---------------------------------------------------------------------------------------------
