@@ -261,6 +261,11 @@ class ElasticBatch:
         self._split_count = None
 
     @property
+    def tagged_by(self) -> object | None:
+        """The :class:`SplitController` whose settled state tagged the batch (:meth:`tag`), or ``None``."""
+        return None if self._settled is None else self._settled.source
+
+    @property
     def fields(self) -> Fields:
         """The batch's flat fields: key -> tensor, TensorDict or per-sample list, all with the rows first.
 
@@ -327,6 +332,7 @@ class ElasticBatch:
     def _with_fields(self, fields: Fields, spec: BatchSpec) -> ElasticBatch:
         batch = ElasticBatch.__new__(ElasticBatch)
         batch._set(fields, spec, len(self), self.split_count, self.padding, _NO_SOURCE)
+        batch._settled = self._settled  # who tagged it (the count itself is worked out already)
         return batch
 
     def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> ElasticBatch:
@@ -407,9 +413,9 @@ class ElasticBatch:
             yield Microbatch(fields, 1.0, 0, 1, spec, self._source)
             return
         if self.padding is None:
-            pieces = split_fields(fields, sizes)
-        else:
-            stops = list(itertools.accumulate(sizes))
-            pieces = [self.padding.piece(fields, stop - size, stop) for size, stop in zip(sizes, stops, strict=True)]
-        for index, (piece, size) in enumerate(zip(pieces, sizes, strict=True)):
-            yield Microbatch(piece, size / rows, index, count, spec)
+            for index, (piece, size) in enumerate(zip(split_fields(fields, sizes), sizes, strict=True)):
+                yield Microbatch(piece, size / rows, index, count, spec)
+            return
+        # One padded piece at a time: each is a copy, so only the microbatch running holds one.
+        for index, (size, stop) in enumerate(zip(sizes, itertools.accumulate(sizes), strict=True)):
+            yield Microbatch(self.padding.piece(fields, stop - size, stop), size / rows, index, count, spec)

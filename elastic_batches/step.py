@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from elastic_batches._warnings import warn_on_rank_zero, warn_once
+from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import ElasticOOMError, SplitController
 from elastic_batches.distributed import ERROR, OK, OOM, GradientSync, Outcome, Verdict, gradient_sync_for
 from elastic_batches.oom import is_oom_error, release_memory
+from elastic_batches.rollback import Rollback
+from elastic_batches.structures import constant_tensors
 
 __all__ = ["ElasticStep"]
 
@@ -23,20 +28,49 @@ CountFn = Callable[[Any], "torch.Tensor | int | float"]
 
 @dataclasses.dataclass
 class _Attempt:
-    status: int
-    size: int  # rows of the largest microbatch
-    total: float  # rows, or counted items with count_fn
-    started: int  # microbatches started
-    loss: torch.Tensor | None = None
+    """One attempt at a batch, from the cut to the vote; whatever it raises is kept in ``error``."""
+
+    size: int  # the largest microbatch (rows, or the controller's unit)
+    total: float = 0.0  # rows, or counted items with count_fn
+    started: int = 0  # microbatches started
+    status: int = OK
+    result: Any = None  # backward: the weighted loss; evaluate: the outputs
     error: BaseException | None = None
 
 
+def _status_of(err: BaseException) -> int:
+    return OOM if is_oom_error(err) else ERROR
+
+
 def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
-    """Leaf tensors of the batch that require grad: their ``.grad`` is set aside like the parameters'."""
+    """Leaf tensors of the batch that require grad, each once: their ``.grad`` is set aside like the parameters'.
+
+    The broadcast (0-d) tensors count too: every microbatch adds to their gradient.
+    """
     fields = batch.fields.values()
     plain = all(type(value) is torch.Tensor or type(value) is list for value in fields)
-    leaves = fields if plain else batch.data.values(include_nested=True, leaves_only=True)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    leaves = list(fields if plain else batch.data.values(include_nested=True, leaves_only=True))
+    leaves += constant_tensors(batch.spec)
+    unique: dict[int, torch.Tensor] = {}
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
+            unique.setdefault(id(t), t)
+    return list(unique.values())
+
+
+def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose ``.grad`` a backward of ``loss`` accumulates into (its autograd graph's leaves)."""
+    leaves, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 def _stop_together(sync: GradientSync, final: ElasticOOMError | None, oom: BaseException | None) -> None:
@@ -134,6 +168,10 @@ class ElasticStep:
         self.device = None if device is None else torch.device(device)
         self.backward_fn = backward_fn
         self._sync: GradientSync | None = None
+        self._rollback = Rollback(model)
+        self._batchnorms: list[tuple[str, nn.Module]] | None = None  # listed when a batch is first split
+        self._warned_batchnorm = False
+        self._graph_checked = False  # the first loss's autograd graph was checked for foreign parameters
 
     @property
     def sync(self) -> GradientSync:
@@ -147,12 +185,21 @@ class ElasticStep:
     ) -> torch.Tensor:
         """Accumulate the gradient of the batch's mean loss, in as many microbatches as it takes.
 
+        Everything between the start of an attempt and the ranks' vote belongs to the attempt:
+        cutting (and padding) the microbatches, ``count_fn``, the device transfer, the forwards
+        and backwards, summing the losses. An OOM in any of them, on any rank, is retried on
+        every rank. Before a retry, everything the failed attempt changed is put back: the
+        gradients, the module buffers (BatchNorm's running statistics) and the random generators
+        of the CPU and of the model's device, so that the retry at ``k`` microbatches computes
+        what a step run at ``k`` directly would.
+
         Args:
             batch: An :class:`ElasticBatch` (from a ``MicrobatchingDataLoader``) or any batch
                 structure it can take apart.
             loss_fn: ``microbatch -> loss``: receives the microbatch in the user's own structure
                 and returns its loss as a mean over the microbatch's samples (or over the items
-                ``count_fn`` counts).
+                ``count_fn`` counts). Every parameter it trains must belong to ``model`` (checked
+                at the first step).
             count_fn: ``microbatch -> number`` of items the microbatch's loss is a mean over (for
                 instance non-ignored tokens). Microbatch weights become ``count_i / sum(counts)``
                 over the batch (and over all ranks), so a token-mean loss is exact. ``None``:
@@ -165,43 +212,49 @@ class ElasticStep:
             The batch's mean loss on this rank, detached.
 
         Raises:
-            ElasticOOMError: out of memory even at the smallest microbatch allowed.
+            ElasticOOMError: out of memory even at the smallest microbatch allowed (with a
+                training-mode BatchNorm, 2 rows).
             RuntimeError: under several ranks, another rank's ``loss_fn`` raised (this rank
                 stops too instead of waiting).
-            ValueError: the batch is empty, or ``loss_fn`` returned a non-scalar.
-            Exception: anything else ``loss_fn`` raises, unchanged; ``.grad`` and the controller are
-                then as they were before the call.
+            ValueError: the batch is empty, ``loss_fn`` returned a non-scalar, or the loss
+                trains tensors that are neither parameters of ``model`` nor batch tensors.
+            Exception: anything else ``loss_fn`` raises, unchanged. ``.grad``, the buffers and
+                the random generators are then as they were before the call; the controller
+                keeps what OOMs of earlier attempts of this call taught it (the sizes that did
+                not fit), and learns nothing from the failed one.
         """
         batch = ElasticBatch.wrap(batch)
-        rows = len(batch)
-        if rows == 0:
+        if len(batch) == 0:
             raise ValueError("ElasticStep.backward: the batch is empty (0 rows); skip empty batches before the step")
+        if count_fn is None:
+            buckets = batch.padding.buckets if batch.padding is not None else None
+            if buckets is not None and buckets.rows is not None:
+                raise ValueError(
+                    f"ShapeBuckets(rows={buckets.rows!r}) pads microbatches with rows of pad values, which a "
+                    "rows-weighted mean would count: pass count_fn (e.g. non-ignored labels) to "
+                    "ElasticStep.backward, or use ShapeBuckets(rows=None)"
+                )
         params = [p for p in self.sync.parameters() if p.requires_grad]
-        tensors = params + _input_leaves(batch)  # and the batch tensors that collect a gradient of their own
+        leaves = _input_leaves(batch)
+        tensors = params + leaves  # the batch tensors that collect a gradient of their own too
         stashed = [t.grad for t in tensors]
         outer = any(grad is not None for grad in stashed)  # gradients of earlier batches, set aside
         if outer:
             for t in tensors:
                 t.grad = None
+
+        def run(attempt: _Attempt, count: int) -> None:
+            attempt.result = self._backward_microbatches(attempt, batch, count, loss_fn, count_fn, unwrap, leaves)
+            self.sync.prepare(params)  # what the gradient reduction allocates, allocated before the vote
+
+        def forget() -> None:
+            for t in tensors:
+                t.grad = None
+            self.sync.discard()
+
         merged = False
         try:
-            while True:
-                self._check_gather("backward")
-                count = self._count(batch, rows)
-                attempt = self._attempt(batch, params, count, loss_fn, count_fn, unwrap)
-                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params)
-                if verdict.status == OK:
-                    break
-                for t in tensors:
-                    t.grad = None
-                self.sync.discard()
-                status, error, started = attempt.status, attempt.error, attempt.started
-                del attempt
-                self._learn_from_failure(verdict, status, error, batch, started, "backward")
-                # Drop the error before collecting: its traceback keeps the failed attempt's tensors alive
-                # through frames that clear_frames cannot reach (closure cells of hooked modules' forward).
-                del error
-                release_memory()
+            attempt, verdict = self._settle(batch, "backward", run, forget, params)
             self.sync.reduce(params, verdict.scale)
             if outer:
                 for t, old in zip(tensors, stashed, strict=True):
@@ -210,28 +263,38 @@ class ElasticStep:
                     if old is not None:
                         t.grad = old
             merged = True
-            self.controller.record_success(verdict.size, batch.load(self.controller.unit))
-            assert attempt.loss is not None
-            return attempt.loss
+            return attempt.result
         finally:
             if not merged:
                 for t, old in zip(tensors, stashed, strict=True):
                     t.grad = old
 
-    def evaluate(self, batch: ElasticBatch | Any, fn: Callable[[Any], Any], *, unwrap: bool = True) -> list[Any]:
+    def evaluate(
+        self,
+        batch: ElasticBatch | Any,
+        fn: Callable[[Any], Any],
+        *,
+        unwrap: bool = True,
+        combine: Callable[[list[Any], list[Microbatch]], Any] | None = None,
+    ) -> Any:
         """Run ``fn`` on each microbatch, without backward, retrying the batch on OOM (validation, prediction).
 
         The split count comes from the controller (give each stage its own: evaluation fits
-        larger microbatches than training); ranks agree on each outcome as in :meth:`backward`.
+        larger microbatches than training); ranks agree on each outcome as in :meth:`backward`,
+        and a retry starts from the buffers and random state the call started from.
         Run it under ``torch.no_grad()`` or ``torch.inference_mode()`` as you would the plain call.
 
         Args:
             batch: An :class:`ElasticBatch` or any batch structure it can take apart.
             fn: ``microbatch -> output``, called on each microbatch in row order.
             unwrap: ``False``: ``fn`` receives each :class:`Microbatch` itself.
+            combine: ``(outputs, microbatches) -> result``, run on the outputs of an attempt
+                before the ranks agree, so that an OOM in it (concatenating predictions) is
+                retried like one in ``fn``; the call then returns its result.
 
         Returns:
-            The outputs of ``fn`` on the microbatches of the attempt that fitted, in row order.
+            The outputs of ``fn`` on the microbatches of the attempt that fitted, in row order
+            (with ``combine``: what it returned).
 
         Raises:
             ElasticOOMError: out of memory even at the smallest microbatch allowed.
@@ -246,35 +309,112 @@ class ElasticStep:
             >>> x = torch.randn(5, 3)
             >>> with torch.no_grad():
             ...     outputs = step.evaluate(x, model)
-            >>> [tuple(o.shape) for o in outputs], torch.allclose(torch.cat(outputs), model(x))
+            ...     whole = step.evaluate(x, model, combine=lambda outputs, microbatches: torch.cat(outputs))
+            >>> [tuple(o.shape) for o in outputs], torch.allclose(whole, model(x))
             ([(3, 2), (2, 2)], True)
         """
         batch = ElasticBatch.wrap(batch)
-        rows = len(batch)
-        if rows == 0:
+        if len(batch) == 0:
             raise ValueError("ElasticStep.evaluate: the batch is empty (0 rows); skip empty batches before the call")
-        while True:
-            self._check_gather("evaluate")
-            count = self._count(batch, rows)
-            microbatches = list(batch.microbatches(count, balance=self.controller.unit))
-            status, error, outputs, started = OK, None, [], 0
-            try:
-                with self.sync.microbatches():
-                    for mb in microbatches:
-                        started += 1
-                        if self.device is not None:
-                            mb = mb.to(self.device, non_blocking=True)
-                        outputs.append(fn(mb.unwrap() if unwrap else mb))
-            except Exception as err:
-                status, error, outputs = (OOM if is_oom_error(err) else ERROR), err, []
-            load = batch.load(self.controller.unit)
-            verdict = self.sync.vote(status, load.size_at(count), float(rows))
-            if verdict.status == OK:
-                self.controller.record_success(verdict.size, load)
-                return outputs
-            self._learn_from_failure(verdict, status, error, batch, started, "evaluate")
-            del error  # before collecting: its traceback keeps the failed attempt's tensors alive
-            release_memory()
+
+        def run(attempt: _Attempt, count: int) -> None:
+            attempt.total = float(len(batch))
+            outputs, ran = [], []
+            with self.sync.microbatches():
+                for mb in batch.microbatches(count, balance=self.controller.unit):
+                    attempt.started += 1
+                    ran.append(mb)
+                    if self.device is not None:
+                        mb = mb.to(self.device, non_blocking=True)
+                    outputs.append(fn(mb.unwrap() if unwrap else mb))
+            attempt.result = outputs if combine is None else combine(outputs, ran)
+
+        attempt, _ = self._settle(batch, "evaluate", run, None, None)
+        return attempt.result
+
+    def _settle(
+        self,
+        batch: ElasticBatch,
+        where: str,
+        run: Callable[[_Attempt, int], None],
+        forget: Callable[[], None] | None,
+        params: Sequence[torch.Tensor] | None,
+    ) -> tuple[_Attempt, Verdict]:
+        """The retry engine: attempts of ``batch`` until one fits on every rank; the attempt and its verdict.
+
+        ``run(attempt, count)`` does the work of one attempt; whatever it raises becomes the
+        attempt's outcome, which every rank votes on. After a failed vote, ``forget`` drops the
+        attempt's gradients, the buffers and random generators are restored, and the controller
+        learns (or every rank raises together).
+        """
+        self._check_tag(batch)
+        load = batch.load(self.controller.unit)
+        tag = batch.split_count
+        saved = False
+        try:
+            while True:
+                self._check_gather(where)
+                count = self.controller.plan(load, tag=tag)
+                attempt = _Attempt(size=load.size_at(count))
+                try:
+                    if not saved:  # inside the attempt: what saving allocates is the attempt's
+                        self._rollback.save(self._devices())
+                        saved = True
+                    if count > 1:
+                        self._warn_batchnorm(count)
+                    run(attempt, count)
+                except Exception as err:  # maybe on this rank only: the vote must still happen
+                    attempt.status, attempt.error, attempt.result = _status_of(err), err, None
+                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params)
+                if verdict.status == OK:
+                    self._rollback.commit()
+                    self.controller.record_success(verdict.size, load)
+                    return attempt, verdict
+                if forget is not None:
+                    forget()
+                self._rollback.restore()
+                status, error, started = attempt.status, attempt.error, attempt.started
+                del attempt
+                self._learn_from_failure(verdict, status, error, batch, started, where)
+                # Drop the error before collecting: its traceback keeps the failed attempt's tensors alive
+                # through frames that clear_frames cannot reach (closure cells of hooked modules' forward).
+                del error
+                release_memory()
+        except BaseException:
+            if saved:
+                self._rollback.restore()
+                self._rollback.forget()
+            raise
+
+    def _backward_microbatches(
+        self,
+        attempt: _Attempt,
+        batch: ElasticBatch,
+        count: int,
+        loss_fn: LossFn,
+        count_fn: CountFn | None,
+        unwrap: bool,
+        leaves: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """Forward and backward of every microbatch of one attempt; the batch's mean loss (detached)."""
+        losses: list[torch.Tensor] = []  # weighted and detached; summed once, not once per microbatch
+        with self.sync.microbatches():
+            microbatches: Iterable[Microbatch] = batch.microbatches(count, balance=self.controller.unit)
+            if count_fn is None:
+                attempt.total = float(len(batch))
+            else:
+                cut = list(microbatches)
+                counts = [float(count_fn(mb.unwrap())) for mb in cut]
+                attempt.total = total = math.fsum(counts)
+                microbatches = [mb.reweighted(c / total if total else 0.0) for mb, c in zip(cut, counts, strict=True)]
+            for mb in microbatches:
+                attempt.started += 1
+                if mb.weight == 0.0:
+                    continue  # nothing to count in it: its loss would be 0/0
+                losses.append(self._run(mb, loss_fn, unwrap, leaves))
+            if not losses:
+                return torch.full((), math.nan)
+            return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
 
     def _learn_from_failure(
         self, verdict: Verdict, status: int, error: BaseException | None, batch: ElasticBatch, started: int, where: str
@@ -292,8 +432,10 @@ class ElasticStep:
                 "this rank stops too instead of waiting for them"
             )
         final: ElasticOOMError | None = None
+        load = batch.load(self.controller.unit)
         try:
-            self.controller.record_oom(verdict.oom_size, batch.load(self.controller.unit), discarded=started)
+            self.controller.record_oom(verdict.oom_size, load, discarded=started)
+            final = self._batchnorm_limit(load, batch.split_count, verdict.oom_size)
         except ElasticOOMError as err:
             final = err
         _stop_together(self.sync, final, error)
@@ -309,19 +451,61 @@ class ElasticStep:
                 "instead of waiting. Free memory, use mixed precision for the parameters, or more ranks"
             )
 
-    def _count(self, batch: ElasticBatch, rows: int) -> int:
-        """The count for the next attempt: the controller's plan, unless the batch's tag asks for more.
+    def _check_tag(self, batch: ElasticBatch) -> None:
+        """Warn when the batch was tagged by another controller: what this step learns would never reach the loader."""
+        source = batch.tagged_by
+        if source is not None and source is not self.controller:
+            warn_once(
+                "elastic_batches: ElasticStep got a batch tagged by another SplitController than its own: what the "
+                "step learns (the split count) never reaches the loader, nor its state_dict, so a resumed run runs "
+                "out of memory its way down again. Share the loader's: "
+                "ElasticStep(model, controller=loader.controller)",
+                stacklevel=4,
+            )
 
-        The loader tags each batch with the controller's settled count; a tag no higher than that
-        must not block the controller's probes of a larger microbatch (refinement, ``grow_after``).
-        A higher tag (set by hand, or stale from before a probe succeeded) is obeyed.
-        """
-        load = batch.load(self.controller.unit)
-        planned = self.controller.plan(load)
-        tag = batch.split_count
-        if tag > planned and tag > self.controller.count_for(load):
-            planned = tag
-        return min(rows, planned)
+    def _devices(self) -> list[torch.device]:
+        """The accelerators whose random generators a microbatch may draw from: the model's and ``device``."""
+        devices = [] if self.device is None else [self.device]
+        first = next(iter(self.sync.parameters()), None)
+        if first is not None:
+            devices.append(first.device)
+        return devices
+
+    def _training_batchnorms(self) -> list[str]:
+        """``Type 'name'`` of each BatchNorm layer of the model in training mode."""
+        if self._batchnorms is None:
+            self._batchnorms = [(name, m) for name, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
+        return [f"{type(m).__name__} {name!r}" for name, m in self._batchnorms if m.training]
+
+    def _warn_batchnorm(self, count: int) -> None:
+        """Say once per step object that splitting changes the statistics of training-mode BatchNorm layers."""
+        if self._warned_batchnorm:
+            return
+        norms = self._training_batchnorms()
+        if norms:
+            self._warned_batchnorm = True
+            warn_on_rank_zero(
+                f"elastic_batches: {type(self.model).__name__} has BatchNorm layers in training mode "
+                f"({', '.join(norms)}) and its batches are split (now into {count} microbatches): their batch "
+                "statistics, and the running statistics, are computed per microbatch, not over the whole batch. Use "
+                "GroupNorm or LayerNorm where whole-batch statistics matter",
+                stacklevel=4,
+            )
+
+    def _batchnorm_limit(self, load: BatchLoad, tag: int, size: int) -> ElasticOOMError | None:
+        """The final error when the next count would cut a microbatch of one row through a training-mode BatchNorm."""
+        count = self.controller.plan(load, tag=tag)
+        if load.rows < 2 or min(load.sizes(count)) >= 2:
+            return None
+        norms = self._training_batchnorms()
+        if not norms:
+            return None
+        return ElasticOOMError(
+            f"out of memory on a batch of {load.rows} rows at microbatch size {size}, and the next split would cut "
+            f"microbatches of 1 row, which {', '.join(norms)} cannot normalise in training mode (batch statistics "
+            "need 2 rows or more): for a model with training-mode BatchNorm, ElasticStep stops where "
+            "min_microbatch_size=2 would. Lower the batch size, free memory, or use GroupNorm or LayerNorm"
+        )
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
@@ -378,7 +562,7 @@ class ElasticStep:
             if max_grad_norm is not None:
                 total_sq = self.sync.local_grad_sq_norm(grads)
         except Exception as err:
-            status, error = (OOM if is_oom_error(err) else ERROR), err
+            status, error = _status_of(err), err
         if max_grad_norm is not None:
             # A vote before any rank steps: an OOM in the norm on one rank must not leave the others updated.
             outcome = self.sync.agree(status, total_sq)  # under FSDP2 it also sums the shards' parts of the norm
@@ -401,65 +585,19 @@ class ElasticStep:
                 else:
                     optimizer.step()
             except Exception as err:
-                status, error = (OOM if is_oom_error(err) else ERROR), err
+                status, error = _status_of(err), err
         _raise_if_failed(self.sync.agree(status), error, "optimizer.step()")
         return norm
 
-    def _attempt(
-        self,
-        batch: ElasticBatch,
-        params: Sequence[torch.Tensor],
-        count: int,
-        loss_fn: LossFn,
-        count_fn: CountFn | None,
-        unwrap: bool = True,
-    ) -> _Attempt:
-        microbatches = list(batch.microbatches(count, balance=self.controller.unit))
-        size = batch.load(self.controller.unit).size_at(count)  # the largest microbatch's rows (or tokens)
-        if count_fn is None:
-            buckets = batch.padding.buckets if batch.padding is not None else None
-            if buckets is not None and buckets.rows is not None:
-                raise ValueError(
-                    f"ShapeBuckets(rows={buckets.rows!r}) pads microbatches with rows of pad values, which a "
-                    "rows-weighted mean would count: pass count_fn (e.g. non-ignored labels) to "
-                    "ElasticStep.backward, or use ShapeBuckets(rows=None)"
-                )
-            total = float(len(batch))
-        else:
-            try:
-                counts = [float(count_fn(mb.unwrap())) for mb in microbatches]
-            except Exception as err:  # maybe on this rank only: the vote must still happen
-                return _Attempt(OOM if is_oom_error(err) else ERROR, size, 0.0, 0, error=err)
-            total = sum(counts)
-            microbatches = [
-                mb.reweighted(c / total if total else 0.0) for mb, c in zip(microbatches, counts, strict=True)
-            ]
-        started = 0
-        losses: list[torch.Tensor] = []  # weighted and detached; summed once, not once per microbatch
-        try:
-            with self.sync.microbatches():
-                for mb in microbatches:
-                    started += 1
-                    if mb.weight == 0.0:
-                        continue  # nothing to count in it: its loss would be 0/0
-                    losses.append(self._run(mb, loss_fn, unwrap))
-            self.sync.prepare(params)  # what the gradient reduction allocates, allocated before the vote
-        except Exception as err:
-            status = OOM if is_oom_error(err) else ERROR
-            return _Attempt(status, size, total, started, error=err)
-        if count_fn is not None and not total:
-            loss = torch.full((), math.nan)
-        else:
-            loss = torch.stack(losses).sum() if len(losses) > 1 else losses[0]
-        return _Attempt(OK, size, total, started, loss=loss)
-
-    def _run(self, mb: Microbatch, loss_fn: LossFn, unwrap: bool = True) -> torch.Tensor:
+    def _run(self, mb: Microbatch, loss_fn: LossFn, unwrap: bool, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.device is not None:
             mb = mb.to(self.device, non_blocking=True)
         loss = loss_fn(mb.unwrap() if unwrap else mb)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__qualname__
             raise ValueError(f"loss_fn must return a scalar loss tensor (a mean over the microbatch), got {shape}")
+        if not self._graph_checked:
+            self._check_graph(loss, leaves)
         weighted = loss * mb.weight
         if self.backward_fn is not None:
             self.backward_fn(weighted)
@@ -468,3 +606,19 @@ class ElasticStep:
         else:
             weighted.backward()
         return weighted.detach()
+
+    def _check_graph(self, loss: torch.Tensor, leaves: Sequence[torch.Tensor]) -> None:
+        """Refuse a loss that trains tensors outside ``model`` and the batch: their gradients would survive a retry."""
+        if loss.grad_fn is None:
+            return
+        known = {id(t) for t in leaves} | self.sync.graph_leaf_ids()
+        foreign = [t for t in _graph_leaves(loss) if id(t) not in known]
+        if foreign:
+            shapes = ", ".join(str(tuple(t.shape)) for t in foreign[:8])
+            raise ValueError(
+                f"ElasticStep: loss_fn trains {len(foreign)} tensor(s) that are neither parameters of the model given "
+                f"to ElasticStep ({type(self.model).__name__}) nor tensors of the batch (shapes {shapes}): their "
+                "gradients could not be set aside and restored around an OOM retry. Give ElasticStep the module that "
+                "holds every parameter loss_fn trains (for instance the whole model, not a part of it)"
+            )
+        self._graph_checked = True

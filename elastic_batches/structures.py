@@ -38,6 +38,7 @@ __all__ = [
     "BatchSpec",
     "Fields",
     "as_tensordict",
+    "constant_tensors",
     "flatten",
     "from_tensordict",
     "leading_rows",
@@ -558,6 +559,32 @@ def _build(node: Any, fields: Fields | TensorDictBase) -> Any:
 def map_constants(spec: BatchSpec, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchSpec:
     """A spec whose broadcast tensors (0-d) went through ``fn``; used to move them to a device."""
     return BatchSpec(_map_constants(spec.root, fn))
+
+
+def constant_tensors(spec: BatchSpec) -> list[torch.Tensor]:
+    """The broadcast (0-d) tensors of a spec, which every microbatch receives whole.
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.structures import constant_tensors, flatten
+        >>> _, spec, _ = flatten({"x": torch.zeros(3, 2), "scale": torch.tensor(2.0), "name": "a"})
+        >>> constant_tensors(spec)
+        [tensor(2.)]
+    """
+    found: list[torch.Tensor] = []
+    _collect_constants(spec.root, found)
+    return found
+
+
+def _collect_constants(node: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(node, _Constant):
+        if isinstance(node.value, torch.Tensor):
+            found.append(node.value)
+    elif isinstance(node, (_Sequence, _Map, _Dataclass)):
+        for child in node.children:
+            _collect_constants(child, found)
+    elif isinstance(node, _Registered):
+        _collect_constants(node.inner, found)
 
 
 def _map_constants(node: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

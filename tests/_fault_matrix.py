@@ -5,10 +5,12 @@ A *cell* is one combination of
 * the loop: ``"plain"`` (``ElasticStep.backward`` + ``ElasticStep.optimizer_step``) or
   ``"lightning"`` (``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``);
 * the setting: ``"single"`` (one process), ``"ddp"`` or ``"fsdp2"`` (two gloo ranks);
-* the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, its ``"forward"``, its
-  ``"backward"`` (injected on the first layer, so later layers already hold gradients), the
-  gradient norm of the ``"clip"``ping, the optimizer ``"step"``, or (Lightning only) a user
-  ``"hook"``, ``on_before_optimizer_step``, which Lightning runs between the two;
+* the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
+  padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
+  its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already
+  hold gradients), the ``"sum"`` of the microbatch losses (``aten.stack``), the gradient norm of
+  the ``"clip"``ping, the optimizer ``"step"``, or (Lightning only) a user ``"hook"``,
+  ``on_before_optimizer_step``, which Lightning runs between the two;
 * the microbatch: ``"first"``, ``"middle"`` or ``"last"`` of the attempt (per-microbatch phases);
 * the ranks: ``"0"``, ``"1"`` or ``"both"`` (rank 0 in the first attempt, rank 1 in the retry
   that follows it; both in the same step for the phases after the microbatches).
@@ -20,8 +22,9 @@ gradient of row ``id`` is exactly ``1 / GLOBAL_ROWS`` when sample ``id`` was use
 step, 0 when it was lost, ``2 / GLOBAL_ROWS`` when it was counted twice: every row is checked
 after every backward. The outcome must be
 
-* for transfer, forward and backward: recovery, with weights equal (``RTOL``) to plain full-batch
-  training on the same samples, which never ran out of memory;
+* for everything between the start of an attempt and the vote (transfer, cut, count, forward,
+  backward, sum): recovery, with weights equal (``RTOL``) to plain full-batch training on the
+  same samples, which never ran out of memory;
 * after the microbatches (hook, clipping, optimizer step), where splitting cannot help: an
   ``ElasticOOMError`` on every rank, naming where (``WHERE``, ``LIGHTNING_WHERE``) and the ranks,
   with the weights of the steps before it (no partial update) on the ranks that ran out of
@@ -48,7 +51,13 @@ import torch.distributed as dist
 from torch import nn
 
 import elastic_batches as eb
-from elastic_batches.testing import inject_oom, inject_oom_in_optimizer, inject_oom_in_transfer
+from elastic_batches.testing import (
+    inject_oom,
+    inject_oom_in_cut,
+    inject_oom_in_op,
+    inject_oom_in_optimizer,
+    inject_oom_in_transfer,
+)
 
 SAMPLES = 72  # ids 0..71: STEPS batches of GLOBAL_ROWS, each sample used once
 GLOBAL_ROWS = 24  # rows per step over all ranks
@@ -64,11 +73,12 @@ ID_TOLERANCE = 1e-4  # |gradient x GLOBAL_ROWS - round(...)| per embedding row
 
 LOOPS = ("plain", "lightning")
 SETTINGS = ("single", "ddp", "fsdp2")
-PHASES = ("transfer", "forward", "backward", "clip", "step")
-MICROBATCH_PHASES = ("transfer", "forward", "backward")
+PHASES = ("transfer", "cut", "count", "forward", "backward", "sum", "clip", "step")
+MICROBATCH_PHASES = ("transfer", "cut", "count", "forward", "backward")  # struck at a chosen microbatch
+RECOVERING_PHASES = (*MICROBATCH_PHASES, "sum")  # between the start of an attempt and the vote
 # Lightning moves each batch to the device whole, before the step (no microbatch transfer to strike in);
 # "hook" is an OOM in on_before_optimizer_step, which Lightning runs inside its optimizer step, before clipping.
-LIGHTNING_PHASES = ("forward", "backward", "hook", "clip", "step")
+LIGHTNING_PHASES = ("cut", "forward", "backward", "hook", "clip", "step")
 POSITIONS = ("first", "middle", "last")
 # What the ElasticOOMError names. Lightning runs its hooks, the clipping and the update inside one
 # optimizer.step(closure): the integration names the norm, or that whole step.
@@ -98,7 +108,7 @@ class Cell:
     @property
     def recovers(self) -> bool:
         """Whether splitting can help: the run must recover (else raise on every rank)."""
-        return self.phase in MICROBATCH_PHASES
+        return self.phase in RECOVERING_PHASES
 
     def fires_on(self, rank: int) -> bool:
         return self.ranks == "both" or self.ranks == str(rank)
@@ -147,6 +157,25 @@ def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch
     x, y = dataset()
     ids = step_ids(step, rank, world)
     return x[ids], y[ids], ids
+
+
+def pad_length(sample_id: int) -> int:
+    """The length of sample ``sample_id``'s variable-length field ``"pad"`` (1 to 5)."""
+    return 1 + sample_id % 5
+
+
+def padded_batch(step: int, rank: int = 0, world: int = 1) -> eb.ElasticBatch:
+    """:func:`batch` padded as a loader with ``pad_values`` pads it: ``x``, ``y``, ``id`` and a ragged ``pad``."""
+    x, y, ids = batch(step, rank, world)
+    samples = [
+        {"x": x[i], "y": y[i], "id": int(ids[i]), "pad": torch.ones(pad_length(int(ids[i])))} for i in range(len(ids))
+    ]
+    return eb.ElasticCollate(pad_values={"pad": 0.0})(samples)
+
+
+def padded_loss(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`loss_of` on a padded microbatch; its ``pad`` field adds 0, so that each cut is used."""
+    return loss_of(model(mb["x"], mb["id"]), mb["y"]) + 0.0 * mb["pad"].sum()
 
 
 class IdModel(nn.Module):
@@ -262,12 +291,27 @@ def expected_outcome(cell: Cell, rank: int, rows: int) -> tuple[int, int]:
     first, retry, third = predicted_counts(rows)
     if not cell.recovers:
         return first, 0
-    assert cell.position is not None
     if cell.ranks != "both":
-        return retry, _position(cell.position, first) + 1 if cell.fires_on(rank) else first
+        return retry, _discarded_by_failing(cell, first) if cell.fires_on(rank) else first
     if rank == 0:  # fails in the first attempt; runs all of the retry, in which rank 1 fails
-        return third, _position(cell.position, first) + 1 + retry
-    return third, first + _position(cell.position, retry) + 1
+        return third, _discarded_by_failing(cell, first) + retry
+    return third, first + _discarded_by_failing(cell, retry)
+
+
+def _discarded_by_failing(cell: Cell, count: int) -> int:
+    """The microbatches a rank that fails in an attempt of ``count`` microbatches threw away.
+
+    It stops at the failing microbatch, which it started (transfer, forward, backward) or not
+    (its cut); ``count_fn`` runs on every microbatch before the first forward; the losses are
+    summed after the last one.
+    """
+    if cell.phase == "sum":
+        return count
+    if cell.phase == "count":
+        return 0
+    assert cell.position is not None
+    index = _position(cell.position, count)
+    return index if cell.phase == "cut" else index + 1
 
 
 def _position(position: str, count: int) -> int:
@@ -282,11 +326,31 @@ def oom_call(cell: Cell, rank: int, rows: int) -> int | None:
     """
     if not cell.recovers or not cell.fires_on(rank):
         return None
+    second = cell.ranks == "both" and rank == 1  # strikes in the retry
+    if cell.phase == "sum":  # one sum an attempt
+        return int(second)
     assert cell.position is not None
     first, retry, _ = predicted_counts(rows)
-    if cell.ranks == "both" and rank == 1:
+    if second:
         return first + _position(cell.position, retry)
     return _position(cell.position, first)
+
+
+class _CountOOM:
+    """A ``count_fn`` (rows, as without it) that runs out of memory itself at chosen calls."""
+
+    def __init__(self, call: int | None) -> None:
+        self.call, self.calls, self.fired = call, 0, 0
+
+    def __call__(self, mb: dict[str, torch.Tensor]) -> int:
+        index, self.calls = self.calls, self.calls + 1
+        if index == self.call:
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the fault matrix's count_fn)")
+        return len(mb["id"])
+
+    def remove(self) -> None:
+        self.call = None
 
 
 class _GradNormOOM:
@@ -318,6 +382,12 @@ def _arm(cell: Cell, rank: int, rows: int, model: nn.Module, step: eb.ElasticSte
     assert call is not None
     if cell.phase == "transfer":
         return [inject_oom_in_transfer(calls=call)]
+    if cell.phase == "cut":
+        return [inject_oom_in_cut(calls=call)]
+    if cell.phase == "count":
+        return [_CountOOM(call)]
+    if cell.phase == "sum":
+        return [inject_oom_in_op(torch.ops.aten.stack, calls=call)]
     first_layer = _inner(model).net[0]
     target = model if cell.phase == "forward" else first_layer
     return [inject_oom(target, phase=cell.phase, calls=call)]  # type: ignore[arg-type]
@@ -368,7 +438,9 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
     step = eb.ElasticStep(model, controller=controller, device="cpu" if cell.phase == "transfer" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
-    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def loss_fn(mb: Any) -> torch.Tensor:
+        if isinstance(mb, dict):
+            return padded_loss(model, mb)
         x, y, ids = mb
         return loss_of(model(x, ids), y)
 
@@ -379,10 +451,12 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
     done = 0
     for i in range(STEPS):
         x, y, ids = batch(i, rank, world)
+        data: Any = padded_batch(i, rank, world) if cell.phase in ("cut", "count") else (x, y, ids)
         optimizer.zero_grad(set_to_none=True)
         handles = _arm(cell, rank, len(ids), model, step, optimizer) if i == OOM_STEP else []
+        count_fn = next((h for h in handles if isinstance(h, _CountOOM)), _CountOOM(None))
         try:
-            step.backward((x, y, ids), loss_fn)
+            step.backward(data, loss_fn, count_fn=count_fn if cell.phase == "count" else None)
             counts.append(controller.split_count)
             ids_checks.append(id_check(flat([_inner(model).ids.weight.grad]), i))
             step.optimizer_step(optimizer, max_grad_norm=MAX_GRAD_NORM)
@@ -474,9 +548,13 @@ def _lightning_module(cell: Cell, rank: int, rows: int) -> Any:
 
         def on_fit_start(self) -> None:
             call = oom_call(cell, rank, rows)
-            if call is not None:
-                target = self.net if cell.phase == "forward" else self.net[0]
-                self._handles = [inject_oom(target, phase=cell.phase, calls=OOM_STEP * SPLIT + call)]  # type: ignore
+            if call is None:
+                return
+            if cell.phase == "cut":
+                self._handles = [inject_oom_in_cut(calls=OOM_STEP * SPLIT + call)]
+                return
+            target = self.net if cell.phase == "forward" else self.net[0]
+            self._handles = [inject_oom(target, phase=cell.phase, calls=OOM_STEP * SPLIT + call)]  # type: ignore
 
         def on_fit_end(self) -> None:
             self._release()
@@ -488,7 +566,8 @@ def _lightning_module(cell: Cell, rank: int, rows: int) -> Any:
             self._handles = []
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            return loss_of((self.net(batch["x"]), self.ids(batch["id"])), batch["y"])
+            loss = loss_of((self.net(batch["x"]), self.ids(batch["id"])), batch["y"])
+            return loss + 0.0 * batch["pad"].sum() if "pad" in batch else loss
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.counts.append(ElasticAccumulation.find(self.trainer).controllers["train"].split_count)
@@ -524,14 +603,20 @@ def _lightning_module(cell: Cell, rank: int, rows: int) -> Any:
 
 
 class _Rows(torch.utils.data.Dataset):
-    def __init__(self) -> None:
+    """The samples as dicts; with ``padded``, each with its ragged ``pad`` field too."""
+
+    def __init__(self, padded: bool = False) -> None:
         self.x, self.y = dataset()
+        self.padded = padded
 
     def __len__(self) -> int:
         return SAMPLES
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"x": self.x[index], "y": self.y[index], "id": index}
+        sample: dict[str, Any] = {"x": self.x[index], "y": self.y[index], "id": index}
+        if self.padded:
+            sample["pad"] = torch.ones(pad_length(index))
+        return sample
 
 
 def run_lightning_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapshots | None = None) -> dict:
@@ -569,10 +654,15 @@ def run_lightning_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Sna
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    padded = cell.phase == "cut"
     if world == 1:
-        loader = torch.utils.data.DataLoader(_Rows(), batch_sampler=[step_ids(i).tolist() for i in range(STEPS)])
+        loader: Any = torch.utils.data.DataLoader(
+            _Rows(padded), batch_sampler=[step_ids(i).tolist() for i in range(STEPS)]
+        )
     else:  # Lightning puts in its DistributedSampler, which gives step_ids(step, rank, 2)
-        loader = torch.utils.data.DataLoader(_Rows(), batch_size=rows)
+        loader = torch.utils.data.DataLoader(_Rows(padded), batch_size=rows)
+    if padded:  # Lightning re-creates it with its DistributedSampler, as it does a DataLoader
+        loader = eb.MicrobatchingDataLoader(loader, pad_values={"pad": 0.0}, controller=elastic.controllers["train"])
     error = None
     try:
         trainer.fit(module, loader)
@@ -687,3 +777,80 @@ def outcome(cell: Cell, results: list[dict]) -> str:
         return f"recovered, {SPLIT}→{results[0]['counts'][OOM_STEP]}"
     kept = [r for r in range(len(results)) if not cell.fires_on(r) and cell.phase == "step"]
     return "ElasticOOMError, every rank" + (f" (rank {kept[0]} had stepped)" if kept else "")
+
+
+# -- Lightning validation of padded batches ----------------------------------------------------------
+
+
+def run_lightning_validation(rank: int, world: int, setting: str, fire_rank: int | None) -> dict[str, Any]:
+    """``trainer.validate`` on padded batches, with an OOM in the cut of ``fire_rank``'s second microbatch.
+
+    The validation loss is logged with ``sync_dist``: every rank must reach it with the mean over
+    the union of the ranks' batches (no hang, nothing lost or counted twice).
+    """
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from elastic_batches.lightning import ElasticAccumulation, Trainer
+
+    warnings.filterwarnings("ignore")
+    if world > 1:
+        _lightning_environment(rank, world)
+    model = IdModel()
+
+    class Validated(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.ids = model.net, model.ids
+
+        def configure_model(self) -> None:
+            if setting == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for part in (self.net[0], self.net[2], self.ids):
+                    fully_shard(part, mesh=mesh)
+                fully_shard(self, mesh=mesh)
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            loss = loss_of((self.net(batch["x"]), self.ids(batch["id"])), batch["y"]) + 0.0 * batch["pad"].sum()
+            self.log("val_loss", loss, sync_dist=True)
+
+    strategy: Any = "auto" if setting == "single" else "ddp"
+    if setting == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    elastic = ElasticAccumulation(controllers={"validate": eb.SplitController(split_count=SPLIT)})
+    trainer = Trainer(
+        accumulate_grad_batches="auto",
+        callbacks=[elastic],
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    rows = GLOBAL_ROWS // world
+    loader = eb.MicrobatchingDataLoader(
+        torch.utils.data.DataLoader(_Rows(padded=True), batch_size=rows),
+        pad_values={"pad": 0.0},
+        controller=elastic.controllers["validate"],
+    )
+    with inject_oom_in_cut(calls=1, rank=fire_rank) as oom:
+        metrics = trainer.validate(Validated(), loader, verbose=False)
+    return {"val_loss": metrics[0]["val_loss"], "fired": oom.fired, "ooms": elastic.controllers["validate"].oom_count}
+
+
+def validation_reference() -> float:
+    """The mean over the validation epoch's batches of each global batch's mean loss (full batches, no split)."""
+    model = IdModel()
+    x, y = dataset()
+    with torch.no_grad():
+        losses = [
+            float(loss_of(model(x[i : i + GLOBAL_ROWS], torch.arange(i, i + GLOBAL_ROWS)), y[i : i + GLOBAL_ROWS]))
+            for i in range(0, SAMPLES, GLOBAL_ROWS)
+        ]
+    return sum(losses) / len(losses)

@@ -61,11 +61,20 @@ def _mesh() -> Any:
 
 
 def _distribute(kind: str, model: nn.Module, **kwargs: Any) -> nn.Module:
-    """DDP, or FSDP2 on each linear layer and on the root (``kwargs`` go to DDP or to every ``fully_shard``)."""
+    """DDP, or FSDP2 on each linear layer and on the root (``kwargs`` go to DDP or to every ``fully_shard``).
+
+    ``"fsdp-tutorial"`` shards as PyTorch's FSDP2 tutorial writes it: no ``mesh=`` anywhere, so
+    every ``fully_shard`` call makes its own (equal) default mesh.
+    """
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model, **kwargs)
     from torch.distributed.fsdp import fully_shard
 
+    if kind == "fsdp-tutorial":
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, **kwargs)
+        return fully_shard(model, **kwargs)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=_mesh(), **kwargs)
@@ -206,6 +215,15 @@ def test_oom_on_some_ranks_retries_everywhere(ranks: RankPool, kind: str, plan: 
         assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
 
 
+@pytest.mark.parametrize("plan", ["forward-middle-rank1", "backward-last-rank1"])
+def test_fsdp2_as_the_tutorial_writes_it_trains_exactly_through_an_oom_on_one_rank(ranks: RankPool, plan: str) -> None:
+    results = ranks.run(_train, "fsdp-tutorial", timeout=60, rows=[12, 12], plan=OOM_PLANS[plan])
+    assert [sum(r["fired"]) for r in results] == [0, 1]
+    assert results[0]["counts"] == results[1]["counts"] and results[0]["counts"][0] > 3
+    for rank, result in enumerate(results):
+        assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
+
+
 @pytest.mark.parametrize("option", ["gradient_as_bucket_view", "find_unused_parameters"])
 def test_ddp_options_that_change_nothing_here_keep_the_update_exact(ranks: RankPool, option: str) -> None:
     """DDP's own reduction is not used: its options for it leave the result as without them, OOM included."""
@@ -237,6 +255,46 @@ def _final_oom(step: eb.ElasticStep, model: nn.Module, batch: Any, stage: str) -
     except eb.ElasticOOMError as err:
         return {"raised": str(err), "retries": step.controller.retry_count}
     return {"raised": None}
+
+
+def _padded_batch(rank: int, rows: int) -> eb.ElasticBatch:
+    """This rank's rows of ``_batch(0, ...)`` with a ragged field, padded as a loader with ``pad_values`` pads it."""
+    x, y = _batch(0, rank, rows)
+    samples = [{"x": x[i], "y": y[i], "ids": torch.ones(1 + i % 4)} for i in range(rows)]
+    return eb.ElasticCollate(pad_values={"ids": 0.0})(samples)
+
+
+def _evaluate_through_ooms(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """``evaluate`` with an OOM in rank 1's padded cut, then one in rank 0's combine of the retry's outputs."""
+    from elastic_batches.testing import inject_oom_in_cut
+
+    model = _distribute(kind, _plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    batch = _padded_batch(rank, 12)
+    combined = [0]
+
+    def combine(outputs: list[torch.Tensor], microbatches: list[eb.Microbatch]) -> torch.Tensor:
+        combined[0] += 1
+        if rank == 0 and combined[0] == 2:  # in the retry that rank 1's OOM caused
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test's combine)")
+        return torch.cat(outputs)
+
+    with torch.no_grad(), inject_oom_in_cut(calls=1, rank=1):
+        out = step.evaluate(batch, lambda mb: model(mb["x"]), combine=combine)
+        whole = model(batch.unwrap()["x"])
+    return {
+        "error": _relative_error(out, whole),
+        "ooms": step.controller.oom_count,
+        "count": step.controller.split_count,
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_evaluate_retries_an_oom_in_the_cut_or_in_combine_on_one_rank(ranks: RankPool, kind: str) -> None:
+    results = ranks.run(_evaluate_through_ooms, kind, timeout=60)
+    for result in results:
+        assert result["ooms"] == 2 and result["count"] == 12  # rank 1's cut (3 -> 6), then rank 0's combine
+        assert result["error"] <= RTOL
 
 
 def _limit_reached(rank: int, world: int, kind: str, stage: str) -> dict[str, Any]:

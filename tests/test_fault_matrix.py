@@ -1,11 +1,13 @@
-"""The fault-injection matrix (issue 6): an OOM in every phase, at every microbatch, on every rank.
+"""The fault-injection matrix: an OOM in every phase, at every microbatch, on every rank.
 
 Each cell (``tests/_fault_matrix.py`` defines them and what they must show) trains a tiny model
 whose per-sample embedding counts how often each sample entered each step's gradient. A cell
 passes when its injection struck exactly where it was aimed (the microbatches thrown away and
 the split count the step ends with say so) and then either the run recovered, with weights
 equal to plain full-batch training within ``RTOL`` (1e-6 relative in one process, 1e-5 on two
-ranks, float32) and every sample counted exactly once in every step, or, in the clipping and the
+ranks, float32) and every sample counted exactly once in every step — for an OOM anywhere between
+the start of an attempt and the ranks' vote: the transfer, the cut of a padded microbatch,
+``count_fn``, the forward, the backward, the sum of the losses — or, in the clipping and the
 optimizer step, every rank raised ``ElasticOOMError`` naming where and which ranks.
 
 One process: every cell runs here. DDP and FSDP2: all cells of one loop and setting run in one
@@ -38,8 +40,10 @@ from _fault_matrix import (
     relative_error,
     run_cells,
     run_lightning_cell,
+    run_lightning_validation,
     run_plain_cell,
     step_ids,
+    validation_reference,
 )
 
 DEADLINE_S = 120  # one job: every cell of a loop and setting (about 3-7 s when nothing hangs)
@@ -117,6 +121,28 @@ def test_every_rank_variant_and_position_is_in_the_matrix() -> None:
     assert {c.ranks for c in distributed} == {"0", "1", "both"}
     for loop in LOOPS:
         for setting in SETTINGS:
-            positions = {(c.phase, c.position) for c in cells(loop, setting) if c.recovers}
-            phases = ("transfer", "forward", "backward") if loop == "plain" else ("forward", "backward")
+            positions = {(c.phase, c.position) for c in cells(loop, setting) if c.position is not None}
+            phases = (
+                ("transfer", "cut", "count", "forward", "backward")
+                if loop == "plain"
+                else ("cut", "forward", "backward")
+            )
             assert positions == {(p, q) for p in phases for q in ("first", "middle", "last")}
+
+
+# -- Lightning validation: an OOM in the cut of a padded validation batch ------------------------
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_lightning_validation_of_padded_batches_retries_an_oom_in_the_cut_on_one_rank(
+    setting: str, jobs: _Jobs
+) -> None:
+    if setting == "single":
+        results = [run_lightning_validation(0, 1, setting, 0)]
+    else:
+        results = jobs.pool.run(run_lightning_validation, setting, 1, timeout=DEADLINE_S)
+    expected = validation_reference()
+    for rank, result in enumerate(results):
+        assert result["fired"] == (1 if setting == "single" or rank == 1 else 0), f"rank {rank}"
+        assert result["ooms"] == 1, f"rank {rank}: every rank learned of the OOM"
+        assert abs(result["val_loss"] - expected) <= 1e-6 * abs(expected), f"rank {rank}: {result['val_loss']}"

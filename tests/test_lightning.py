@@ -333,7 +333,7 @@ def test_teardown_leaves_the_trainer_as_it_was() -> None:
 
 def test_batchnorm_with_a_split_warns_once() -> None:
     model = Regression(batchnorm=True, oom={"phase": "forward", "calls": [0]})
-    with pytest.warns(UserWarning, match="BatchNorm1d layers and its batches are now split into 2") as record:
+    with pytest.warns(UserWarning, match=r"BatchNorm layers in training mode \(BatchNorm1d 'net.1'\)") as record:
         fit(Trainer, model, loader(10), **AUTO)
     assert sum("BatchNorm1d" in str(w.message) for w in record) == 1
 

@@ -9,16 +9,18 @@ autocast the reference is computed under the same autocast and the tolerance is 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import elastic_batches as eb
 from elastic_batches.batch import split_sizes
-from elastic_batches.testing import MemoryBudget, inject_oom
+from elastic_batches.testing import MemoryBudget, inject_oom, inject_oom_in_cut, inject_oom_in_op
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -486,3 +488,367 @@ def test_constructor_rejects_bad_arguments(
     args = tuple(_model() if a is None else a for a in args)
     with pytest.raises(error, match=message):
         eb.ElasticStep(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything between the start of an attempt and the vote belongs to the attempt
+
+
+def _padded(rows: int = 12, seed: int = 4) -> eb.ElasticBatch:
+    """A padded batch (a loader with ``pad_values``): ``x``, ``y`` and ragged token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = [
+        {
+            "x": torch.randn(4, generator=generator),
+            "y": torch.randn(1, generator=generator),
+            "ids": torch.randint(1, 9, (1 + i % 5,), generator=generator),
+        }
+        for i in range(rows)
+    ]
+    return eb.ElasticCollate(pad_values={"ids": 0})(samples)
+
+
+def _padded_mse(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def loss_fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (model(mb["x"]) - mb["y"]).pow(2).mean() + 0.0 * mb["ids"].sum()
+
+    return loss_fn
+
+
+def _padded_reference(model: nn.Module, batch: eb.ElasticBatch) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(_padded_mse(model)(batch.unwrap()), params))
+
+
+@pytest.mark.parametrize("call", [0, 1, 2], ids=["first-cut", "middle-cut", "last-cut"])
+def test_an_oom_in_the_cut_of_a_padded_microbatch_is_retried(call: int) -> None:
+    model, batch = _model(), _padded()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    with inject_oom_in_cut(calls=call) as oom:
+        step.backward(batch, _padded_mse(model))
+    assert oom.fired == 1 and step.controller.oom_count == 1 and step.controller.split_count == 6
+    assert step.controller.discarded_microbatches == call  # the microbatches before the cut ran, then were dropped
+    _assert_grads(model, _padded_reference(model, batch))
+
+
+def test_an_oom_raised_by_padding_itself_is_retried() -> None:
+    """The trimmed copy padding makes (``contiguous``): an OOM raised there by hand, not by a helper."""
+    model, batch = _model(), _padded()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    copies = [0]
+    original = torch.Tensor.contiguous
+
+    def contiguous(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        copies[0] += 1
+        if copies[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test)")
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.contiguous = contiguous  # type: ignore[method-assign]
+    try:
+        step.backward(batch, _padded_mse(model))
+    finally:
+        torch.Tensor.contiguous = original  # type: ignore[method-assign]
+    assert step.controller.oom_count == 1
+    _assert_grads(model, _padded_reference(model, batch))
+
+
+@pytest.mark.parametrize("call", [0, 2], ids=["first-count", "last-count"])
+def test_an_oom_in_count_fn_is_retried(call: int) -> None:
+    model = _model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    calls = [0]
+
+    def count_fn(mb: Batch) -> int:
+        calls[0] += 1
+        if calls[0] == call + 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test's count_fn)")
+        return len(mb[0])
+
+    step.backward(_batch(12), _mse(model), count_fn=count_fn)
+    assert step.controller.oom_count == 1 and step.controller.split_count == 6
+    assert step.controller.discarded_microbatches == 0  # count_fn runs before the first forward
+    _assert_grads(model, _reference(model, _batch(12)))
+
+
+def test_an_oom_in_the_sum_of_the_losses_is_retried() -> None:
+    model = _model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    with inject_oom_in_op(torch.ops.aten.stack, calls=0) as oom:
+        loss = step.backward(_batch(12), _mse(model))
+    assert oom.fired == 1 and step.controller.oom_count == 1 and step.controller.discarded_microbatches == 3
+    torch.testing.assert_close(loss, _mse(model)(_batch(12)).detach())
+    _assert_grads(model, _reference(model, _batch(12)))
+
+
+def test_evaluate_retries_an_oom_in_the_cut_and_in_combine() -> None:
+    model, batch = _model(), _padded()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    combined = [0]
+
+    def combine(outputs: list[torch.Tensor], microbatches: list[eb.Microbatch]) -> torch.Tensor:
+        combined[0] += 1
+        if combined[0] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test's combine)")
+        assert [len(mb) for mb in microbatches] == [len(o) for o in outputs]
+        return torch.cat(outputs)
+
+    with torch.no_grad(), inject_oom_in_cut(calls=1):
+        out = step.evaluate(batch, lambda mb: model(mb["x"]), combine=combine)
+    assert step.controller.oom_count == 2 and combined[0] == 2  # the cut, then combine: 3 -> 6 -> 12
+    torch.testing.assert_close(out, model(batch.unwrap()["x"]).detach())
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing of a failed attempt survives: buffers, random state, gradients of batch tensors
+
+
+class _Counter(nn.Module):
+    """Buffers a forward changes: a counter in place, a cache by reassignment, a constant left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("last", torch.zeros(4))
+        self.register_buffer("constant", torch.arange(1000.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last = x.detach().mean(0)
+        return x
+
+
+def _buffered_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Counter(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _state_after(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    return (
+        {name: b.clone() for name, b in model.named_buffers()},
+        [p.grad.clone() for p in model.parameters()],
+        torch.get_rng_state(),
+    )
+
+
+@pytest.mark.parametrize("call", [0, 1, 2], ids=["first-microbatch", "middle-microbatch", "last-microbatch"])
+def test_a_retried_step_equals_the_same_step_run_at_its_split_directly(call: int) -> None:
+    """Buffers (BatchNorm's running stats, an in-place counter, a reassigned cache), dropout draws, gradients."""
+    direct = _buffered_model()
+    torch.manual_seed(7)
+    eb.ElasticStep(direct, controller=eb.SplitController(split_count=6)).backward(_batch(12), _mse(direct))
+    expected_buffers, expected_grads, expected_rng = _state_after(direct)
+
+    model = _buffered_model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the BatchNorm warning
+        with inject_oom(model[5], phase="backward", calls=call):
+            step.backward(_batch(12), _mse(model))
+    assert step.controller.split_count == 6
+    buffers, grads, rng = _state_after(model)
+    assert buffers.keys() == expected_buffers.keys()
+    for name, value in buffers.items():
+        assert torch.equal(value, expected_buffers[name]), name
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert torch.equal(got, want)  # same microbatches, same dropout masks, same order: bit-identical
+    assert torch.equal(rng, expected_rng)
+
+
+def test_a_step_that_raises_leaves_buffers_and_random_state_as_they_were() -> None:
+    model = _buffered_model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    torch.manual_seed(3)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    cached = model[0].last
+    runs = [0]
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        runs[0] += 1
+        if runs[0] == 3:
+            raise Boom("in the last microbatch")
+        return _mse(model)(mb)
+
+    with pytest.raises(Boom), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step.backward(_batch(12), loss_fn)
+    assert model[0].last is cached
+    for name, value in model.named_buffers():
+        assert torch.equal(value, before[name]), name
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _Copies(TorchDispatchMode):
+    """Records the element count of every tensor copied into (``copy_``, ``_foreach_copy_``, ``_to_copy``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        packet = func.overloadpacket
+        if packet in (torch.ops.aten.copy_, torch.ops.aten._to_copy, torch.ops.aten.clone):
+            self.numels.append(args[0].numel())
+        elif packet is torch.ops.aten._foreach_copy_:
+            self.numels.extend(t.numel() for t in args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_constant_buffer_is_copied_at_the_first_step_only() -> None:
+    model = _buffered_model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _Copies() as first:
+            step.backward(_batch(12), _mse(model))  # nothing is known yet: every buffer is copied
+        with _Copies() as later:
+            step.backward(_batch(12, seed=2), _mse(model))
+    assert 1000 in first.numels
+    assert 1000 not in later.numels
+    # the counter (it changed in place) and BatchNorm's running mean, running var and num_batches_tracked
+    assert sorted(later.numels) == [1, 1, 8, 8]
+
+
+@pytest.mark.parametrize("count", [1, 3], ids=["whole", "split-3"])
+@pytest.mark.parametrize("oom", [False, True], ids=["no-oom", "oom"])
+def test_the_same_leaf_twice_in_a_batch_gets_the_gradient_plain_pytorch_gives(count: int, oom: bool) -> None:
+    x = torch.randn(12, 4, requires_grad=True)
+    x.grad = torch.full_like(x, 0.5)  # an earlier gradient
+    weight = torch.randn(4, 1)
+
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, b = mb
+        return ((a @ weight) * b.sum(1, keepdim=True)).mean()
+
+    expected = 0.5 + torch.autograd.grad(loss_fn((x, x)), x)[0]
+    step = eb.ElasticStep(nn.Linear(1, 1), controller=eb.SplitController(split_count=count))
+    with inject_oom_in_op(torch.ops.aten.mm, calls=[0] if oom else [10**6]):
+        step.backward((x, x), loss_fn)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_zero_dim_batch_tensor_gets_no_gradient_from_a_failed_attempt() -> None:
+    x, y = _batch(12)
+    scale = torch.tensor(2.0, requires_grad=True)  # broadcast to every microbatch
+    model = _model()
+
+    def loss_fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (model(mb["x"]) * mb["scale"] - mb["y"]).pow(2).mean()
+
+    expected = torch.autograd.grad(loss_fn({"x": x, "y": y, "scale": scale}), scale)[0]
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    with inject_oom(model, phase="backward", calls=2):
+        step.backward({"x": x, "y": y, "scale": scale}, loss_fn)
+    assert step.controller.oom_count == 1
+    torch.testing.assert_close(scale.grad, expected, rtol=1e-6, atol=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchNorm
+
+
+def _batchnorm_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_a_split_through_batchnorm_warns_once_naming_the_layer() -> None:
+    model = _batchnorm_model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    with pytest.warns(UserWarning, match=r"BatchNorm layers in training mode \(BatchNorm1d '1'\)") as record:
+        for seed in range(3):
+            step.backward(_batch(12, seed=seed), _mse(model))
+    assert sum("BatchNorm" in str(w.message) for w in record) == 1
+
+
+def test_no_batchnorm_warning_without_a_split_or_in_eval_mode() -> None:
+    model = _batchnorm_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eb.ElasticStep(model).backward(_batch(12), _mse(model))
+        model.eval()
+        eb.ElasticStep(model, controller=eb.SplitController(split_count=3)).backward(_batch(12), _mse(model))
+
+
+def test_batchnorm_stops_the_split_before_a_microbatch_of_one_row() -> None:
+    model = _batchnorm_model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    batch = _batch(6)
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        if len(mb[0]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        return _mse(model)(mb)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step.backward(batch, loss_fn)  # 6 -> 3 -> 2 rows: still fits the rule
+    assert step.controller.split_count == 3
+
+    def always(mb: Batch) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    with pytest.raises(eb.ElasticOOMError, match=r"BatchNorm1d '1' cannot normalise.*min_microbatch_size=2"):
+        step.backward(batch, always)
+
+
+# ---------------------------------------------------------------------------------------------
+# An OOM, then another error in the retry
+
+
+def test_an_error_after_an_oom_keeps_what_the_oom_taught_and_nothing_else() -> None:
+    model = _model()
+    controller = eb.SplitController(split_count=2)
+    step = eb.ElasticStep(model, controller=controller)
+    attempts = [0]
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        attempts[0] += 1
+        if attempts[0] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        raise Boom("in the retry")
+
+    with pytest.raises(Boom, match="in the retry"):
+        step.backward(_batch(12), loss_fn)
+    state = controller.state_dict()
+    assert (state["fails"], state["fits"], state["oom_count"], state["retry_count"]) == (6, 0, 1, 1)
+    assert controller.split_count == 4  # what the OOM taught: microbatches of 3, not 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Misuse
+
+
+def test_a_loss_through_parameters_outside_the_model_is_refused_at_the_first_step() -> None:
+    model = _model()
+    step = eb.ElasticStep(model[0], controller=eb.SplitController(split_count=2))  # the first layer only
+    with pytest.raises(
+        ValueError, match=r"trains 2 tensor\(s\) that are neither parameters .*\(shapes \(1, 16\), \(1,\)\)"
+    ):
+        step.backward(_batch(12), _mse(model))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_batch_tensors_that_require_grad_are_not_foreign() -> None:
+    model = _model()
+    x, y = _batch(12)
+    x.requires_grad_(True)
+    eb.ElasticStep(model, controller=eb.SplitController(split_count=2)).backward((x, y), _mse(model))
+    assert x.grad is not None
+
+
+def test_a_batch_tagged_by_another_controller_warns_once() -> None:
+    loader = eb.MicrobatchingDataLoader(torch.utils.data.TensorDataset(*_batch(24)), batch_size=12)
+    model = _model()
+    step = eb.ElasticStep(model)  # forgot controller=loader.controller
+    with pytest.warns(UserWarning, match=r"tagged by another SplitController.*controller=loader\.controller") as record:
+        for batch in loader:
+            step.backward(batch, _mse(model))
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared = eb.ElasticStep(model, controller=loader.controller)
+        for batch in loader:
+            shared.backward(batch, _mse(model))

@@ -314,9 +314,10 @@ def collate_token_batch(samples: list[dict[str, Any]]) -> TokenBatch:
 
 def test_a_tensorclass_batch_reaches_loss_fn_as_the_tensorclass() -> None:
     samples = make_samples(12, seed=9)
-    loader = eb.MicrobatchingDataLoader(samples, batch_size=12, collate_fn=collate_token_batch)
+    controller = eb.SplitController(split_count=3)
+    loader = eb.MicrobatchingDataLoader(samples, batch_size=12, collate_fn=collate_token_batch, controller=controller)
     model = TinyCausalLM()
-    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    step = eb.ElasticStep(model, controller=controller)
     types = []
 
     def loss_fn(mb: TokenBatch) -> torch.Tensor:

@@ -52,10 +52,14 @@ def elastic_evaluation_hook(
             with recorder.capture(mb.weight):
                 return original(mb.unwrap(), *args, **kwargs)
 
-        outputs = step.evaluate(batch, fn, unwrap=False)
+        def combine(outputs: list[Any], microbatches: list[Microbatch]) -> Any:
+            # inside the attempt: an OOM in concatenating the predictions is retried like one in the step
+            return combine_outputs(outputs, [mb.weight for mb in microbatches], [len(mb) for mb in microbatches])
+
+        combined = step.evaluate(batch, fn, unwrap=False, combine=combine)
         recorder.replay()
         elastic.after_evaluation_batch(trainer, stage, len(ran))
-        return combine_outputs(outputs, [mb.weight for mb in ran], [len(mb) for mb in ran])
+        return combined
 
     elastic_step.__wrapped__ = original  # type: ignore[attr-defined]
     return elastic_step

@@ -11,8 +11,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
@@ -133,7 +131,6 @@ class ElasticAccumulation(Callback):
         self._recorder: LogRecorder | None = None
         self._last_counts = dict.fromkeys(STAGES, 1)
         self._train_metrics: dict[str, float] | None = None
-        self._warned_batchnorm = False
         self._installed: tuple[Trainer, Any] | None = None
 
     @staticmethod
@@ -255,7 +252,7 @@ class ElasticAccumulation(Callback):
     def after_train_batch(
         self, trainer: Trainer, module: LightningModule, count: int, size: int, step: ElasticStep
     ) -> None:
-        """Note what the batch used (logged in ``on_train_batch_end``); warn about BatchNorm once.
+        """Note what the batch used (logged in ``on_train_batch_end``).
 
         Args:
             trainer: The trainer.
@@ -271,16 +268,6 @@ class ElasticAccumulation(Callback):
             "elastic/oom_retries": float(controller.retry_count),
         }
         self._note_change(trainer, "train", count, controller)
-        if count > 1 and not self._warned_batchnorm:
-            norms = sorted({type(m).__name__ for m in module.modules() if isinstance(m, _BatchNorm)})
-            if norms:
-                self._warned_batchnorm = True
-                rank_zero_warn(
-                    f"{type(module).__name__} has {', '.join(norms)} layers and its batches are now split into {count} "
-                    "microbatches: their batch statistics (and running stats) are computed per microbatch, not over "
-                    "the whole batch. Use GroupNorm or LayerNorm where whole-batch statistics matter",
-                    category=UserWarning,
-                )
 
     def after_evaluation_batch(self, trainer: Trainer, stage: str, count: int) -> None:
         """Note the count an evaluation batch used (an INFO line when it changes)."""
