@@ -1,4 +1,4 @@
-"""The fault-injection matrix of ``docs/reliability.md``: where an OOM strikes, and what follows (issue 6).
+"""The fault-injection matrix of ``docs/reliability.md``: where an OOM strikes, and what follows.
 
 Runs every cell of ``tests/_fault_matrix.py`` (the cells ``tests/test_fault_matrix.py`` asserts):
 the one-process cells here, the DDP and FSDP2 cells as one job per loop and setting on two gloo
@@ -42,6 +42,9 @@ HEADINGS = {
 }
 PHASE_NAMES = {
     "transfer": "device transfer",
+    "cut": "cut (padded microbatch)",
+    "count": "`count_fn`",
+    "sum": "sum of the losses",
     "forward": "forward",
     "backward": "backward (first layer)",
     "hook": "`on_before_optimizer_step`",

@@ -20,26 +20,36 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from elastic_batches._warnings import warn_once
+from elastic_batches.oom import is_oom_error
 
 __all__ = ["Rollback"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Saved(NamedTuple):
-    buffers: dict[str, Any]  # the module's ``_buffers``
-    name: str
-    tensor: torch.Tensor
-    version: int
-    copy: torch.Tensor | None  # the data before the step, when something may change it in place
-    key: tuple[int, str]  # (id of the module, buffer name)
+# One buffer as saved: its module's ``_buffers``, its name, the tensor, its version, its data before the
+# step when something may change it (a copy kept between steps, or at the first step one in host memory),
+# and whether that copy is put back whatever the version says (running statistics).
+_Saved = tuple[dict[str, Any], str, torch.Tensor, int, "torch.Tensor | None", bool]
+
+
+def _modules_of(model: nn.Module) -> list[nn.Module]:
+    """``model`` and its submodules, each once (``model.modules()``'s set, walked without its generators)."""
+    found, seen, index = [model], {id(model)}, 0
+    while index < len(found):
+        for child in found[index]._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+        index += 1
+    return found
 
 
 def _running_stats(module: nn.Module) -> bool:
@@ -86,8 +96,8 @@ class Rollback:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._mutable: set[tuple[int, str]] = set()  # buffers seen changing in place
-        self._copies: dict[tuple[int, str], torch.Tensor] = {}  # kept between steps for those and running stats
+        self._mutable: set[int] = set()  # ids of buffer tensors seen changing in place
+        self._copies: dict[int, torch.Tensor] = {}  # by buffer id: kept between steps for those and running stats
         self._first = True
         self._saved: list[_Saved] = []
         self._generators: list[tuple[torch.device, torch.Tensor]] = []
@@ -98,7 +108,8 @@ class Rollback:
         saved: list[_Saved] = []
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
-        for module in self.model.modules():
+        mutable, copies, first = self._mutable, self._copies, self._first
+        for module in _modules_of(self.model):
             buffers = module._buffers
             if not buffers:
                 continue
@@ -106,40 +117,54 @@ class Rollback:
             for name, tensor in buffers.items():
                 if tensor is None:
                     continue
-                key = (id(module), name)
                 copy = None
-                if stats or key in self._mutable:
-                    copy = self._copies.get(key)
-                    if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
-                        copy = self._copies[key] = torch.empty_like(tensor)
+                key = id(tensor)
+                if stats or key in mutable:
+                    copy = copies.get(key)
+                    if copy is None:
+                        copy = copies[key] = torch.empty_like(tensor)
                     sources.append(tensor)
                     targets.append(copy)
-                elif self._first:
+                elif first:
                     copy = tensor.detach().to("cpu", copy=True)
-                saved.append(_Saved(buffers, name, tensor, tensor._version, copy, key))
-        if targets:
-            with torch.no_grad():
-                torch._foreach_copy_(targets, sources)
+                saved.append((buffers, name, tensor, tensor._version, copy, stats))
+        if targets and not self._copy(targets, sources):
+            saved = [(*entry[:4], copies.get(id(entry[2]), entry[4]), entry[5]) for entry in saved]
         self._saved = saved
+
+    def _copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> bool:
+        """Copy ``sources`` into the kept ``targets``; ``False`` when a buffer resized in place got a new copy."""
+        with torch.no_grad():
+            try:
+                torch._foreach_copy_(targets, sources)
+                return True
+            except RuntimeError as err:
+                if is_oom_error(err):
+                    raise
+            for index, (target, source) in enumerate(zip(targets, sources, strict=True)):
+                if target.shape != source.shape:
+                    targets[index] = self._copies[id(source)] = torch.empty_like(source)
+            torch._foreach_copy_(targets, sources)
+            return False
 
     def restore(self) -> None:
         """Put back what :meth:`save` remembered: buffer objects, their data, the generators."""
         with torch.no_grad():
-            for entry in self._saved:
-                if entry.buffers.get(entry.name) is not entry.tensor:
-                    entry.buffers[entry.name] = entry.tensor  # a forward reassigned it
-                changed = entry.tensor._version != entry.version
-                if entry.copy is not None and (changed or entry.key in self._copies):
-                    entry.tensor.copy_(entry.copy)
+            for buffers, name, tensor, version, copy, always in self._saved:
+                if buffers.get(name) is not tensor:
+                    buffers[name] = tensor  # a forward reassigned it
+                changed = tensor._version != version
+                if copy is not None and (changed or always):  # running statistics change without a version bump
+                    tensor.copy_(copy)
                 elif changed:
                     warn_once(
-                        f"elastic_batches: a failed attempt changed a buffer {entry.name!r} of shape "
-                        f"{tuple(entry.tensor.shape)} in place for the first time; it is saved before every step "
+                        f"elastic_batches: a failed attempt changed a buffer {name!r} of shape "
+                        f"{tuple(tensor.shape)} in place for the first time; it is saved before every step "
                         "from now on, but this once its change could not be undone",
                         stacklevel=4,
                     )
                 if changed:
-                    self._mutable.add(entry.key)
+                    self._mutable.add(id(tensor))
         for device, state in self._generators:
             _set_rng_state(device, state)
 
@@ -150,9 +175,9 @@ class Rollback:
 
     def commit(self) -> None:
         """After a step that went through: learn which buffers it changed in place, and forget the step."""
-        for entry in self._saved:
-            if entry.tensor._version != entry.version and entry.key not in self._mutable:
-                self._mutable.add(entry.key)
-                logger.debug("buffer %r changes in place: saved before every step from now on", entry.name)
+        for _, name, tensor, version, _, _ in self._saved:
+            if tensor._version != version and id(tensor) not in self._mutable:
+                self._mutable.add(id(tensor))
+                logger.debug("buffer %r changes in place: saved before every step from now on", name)
         self._first = False
         self.forget()
