@@ -14,7 +14,7 @@ CPU = [torch.device("cpu")]
 
 
 class _Buffers(nn.Module):
-    """A counter changed in place, a cache reassigned, and a constant, each forward (the counter from ``count_from``)."""
+    """Each forward changes a counter in place (after ``count_from`` forwards) and reassigns a cache; a constant."""
 
     def __init__(self, count_from: int = 0) -> None:
         super().__init__()
