@@ -562,13 +562,46 @@ def test_what_ddp_is_told_to_ignore_stays_local_as_in_plain_ddp(ranks: RankPool)
     assert results[0]["buffer_error"] <= RTOL
 
 
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "rank1"])
 @pytest.mark.parametrize("call", [1, 3], ids=["first-step", "second-step-last-microbatch"])
-def test_batch_norm_with_an_oom_on_one_rank(ranks: RankPool, call: int) -> None:
-    results = ranks.run(_batch_norm, [("forward", "model", [call], 1)], timeout=60)
+def test_batch_norm_with_an_oom_on_one_rank(ranks: RankPool, call: int, rank: int) -> None:
+    """The failed attempt's forwards updated the running statistics of the rank that finished it: rolled back."""
+    results = ranks.run(_batch_norm, [("forward", "model", [call], rank)], timeout=60)
     assert results[0]["count"] == results[1]["count"] > 2
     assert all(r["buffers_agree"] for r in results)
     for result in results:
         assert result["weight_error"] <= RTOL
+    # rank 0's buffers, the ones DDP broadcasts, are those of plain DDP at the split the step ran at
+    assert results[0]["buffer_error"] <= RTOL, "the failed attempt's running statistics survived"
+
+
+def _dropout_step(rank: int, world: int, kind: str, split: int, oom_rank: int | None) -> torch.Tensor:
+    """One SGD step of a model with dropout at ``split`` microbatches (an OOM on ``oom_rank`` first)."""
+    model = _distribute(kind, nn.Sequential(_plain_model(), nn.Dropout(0.5)))
+    controller = eb.SplitController(split_count=split)
+    step = eb.ElasticStep(model, controller=controller)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.manual_seed(100 + rank)  # each rank draws its own dropout masks
+    calls = [1] if oom_rank is not None else [10**6]
+    with inject_oom(_inner(model), phase="forward", calls=calls, rank=oom_rank):
+        step.backward(_batch(0, rank, 12), _loss_fn(model))
+    optimizer.step()
+    assert controller.split_count == 6
+    return _full(model.parameters())
+
+
+def _dropout_retry(rank: int, world: int, kind: str) -> dict[str, Any]:
+    retried = _dropout_step(rank, world, kind, 3, oom_rank=1)
+    direct = _dropout_step(rank, world, kind, 6, oom_rank=None)
+    return {"error": _relative_error(retried, direct)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropout_in_a_retry_draws_what_a_step_at_its_split_draws(ranks: RankPool, kind: str) -> None:
+    """An OOM on rank 1 at 3 microbatches, retried at 6: the same update as a step run at 6, masks included."""
+    results = ranks.run(_dropout_retry, kind, timeout=60)
+    for rank, result in enumerate(results):
+        assert result["error"] <= 1e-7, f"rank {rank}: {result['error']:.2e}"
 
 
 # -- the optimizer step -------------------------------------------------------------------------
