@@ -539,12 +539,7 @@ def _lightning_module(cell: Cell, rank: int, rows: int) -> Any:
 
         def configure_model(self) -> None:
             if cell.setting == "fsdp2":
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = self.device_mesh["data_parallel"]
-                for part in (self.net[0], self.net[2], self.ids):
-                    fully_shard(part, mesh=mesh)
-                fully_shard(self, mesh=mesh)
+                _shard(self, (self.net[0], self.net[2], self.ids))
 
         def on_fit_start(self) -> None:
             call = oom_call(cell, rank, rows)
@@ -619,13 +614,44 @@ class _Rows(torch.utils.data.Dataset):
         return sample
 
 
+def _trainer(setting: str, world: int, elastic: Any, **kwargs: Any) -> Any:
+    """A quiet ``Trainer(accumulate_grad_batches="auto")`` on the CPU for one setting (``kwargs``: more options)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from elastic_batches.lightning import Trainer
+
+    strategy: Any = {"single": "auto", "ddp": "ddp"}.get(setting)
+    if setting == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    return Trainer(
+        accumulate_grad_batches="auto",
+        callbacks=[elastic],
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _shard(module: Any, parts: tuple[nn.Module, ...]) -> None:
+    """``fully_shard`` each of ``parts``, then ``module``, over the strategy's data-parallel mesh (Lightning FSDP2)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = module.device_mesh["data_parallel"]
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
 def run_lightning_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapshots | None = None) -> dict:
     """Fit the cell's ``STEPS`` steps with ``Trainer(accumulate_grad_batches="auto")``; what happened."""
     import warnings
 
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    from elastic_batches.lightning import ElasticAccumulation, Trainer
+    from elastic_batches.lightning import ElasticAccumulation
 
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
@@ -634,24 +660,13 @@ def run_lightning_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Sna
     rows = GLOBAL_ROWS // world
     module = _lightning_module(cell, rank, rows)
     elastic = ElasticAccumulation(controllers={"train": eb.SplitController(split_count=SPLIT)})
-    strategy: Any = "auto"
-    if cell.setting == "ddp":
-        strategy = "ddp"
-    elif cell.setting == "fsdp2":
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    trainer = Trainer(
-        accumulate_grad_batches="auto",
-        callbacks=[elastic],
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
+    trainer = _trainer(
+        cell.setting,
+        world,
+        elastic,
         max_steps=STEPS,
         max_epochs=1,
         gradient_clip_val=MAX_GRAD_NORM,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     padded = cell.phase == "cut"
@@ -791,9 +806,8 @@ def run_lightning_validation(rank: int, world: int, setting: str, fire_rank: int
     import warnings
 
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from elastic_batches.lightning import ElasticAccumulation, Trainer
+    from elastic_batches.lightning import ElasticAccumulation
 
     warnings.filterwarnings("ignore")
     if world > 1:
@@ -807,32 +821,14 @@ def run_lightning_validation(rank: int, world: int, setting: str, fire_rank: int
 
         def configure_model(self) -> None:
             if setting == "fsdp2":
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = self.device_mesh["data_parallel"]
-                for part in (self.net[0], self.net[2], self.ids):
-                    fully_shard(part, mesh=mesh)
-                fully_shard(self, mesh=mesh)
+                _shard(self, (self.net[0], self.net[2], self.ids))
 
         def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
             loss = loss_of((self.net(batch["x"]), self.ids(batch["id"])), batch["y"]) + 0.0 * batch["pad"].sum()
             self.log("val_loss", loss, sync_dist=True)
 
-    strategy: Any = "auto" if setting == "single" else "ddp"
-    if setting == "fsdp2":
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     elastic = ElasticAccumulation(controllers={"validate": eb.SplitController(split_count=SPLIT)})
-    trainer = Trainer(
-        accumulate_grad_batches="auto",
-        callbacks=[elastic],
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(setting, world, elastic)
     rows = GLOBAL_ROWS // world
     loader = eb.MicrobatchingDataLoader(
         torch.utils.data.DataLoader(_Rows(padded=True), batch_size=rows),

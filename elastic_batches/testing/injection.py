@@ -320,14 +320,21 @@ def inject_oom_in_transfer(*, calls: int | Iterable[int] = 0, rank: int | None =
     """
     from elastic_batches.batch import Microbatch
 
-    handle = OOMInjection("Microbatch", "transfer", _call_set(calls, "transfer"), _check_rank(rank))
-    original = Microbatch.to
+    return _inject_in_method(Microbatch, "to", "transfer", "device transfer", calls, rank)
 
-    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handle._count_call("at device transfer")
+
+def _inject_in_method(
+    cls: type, name: str, phase: str, what: str, calls: int | Iterable[int], rank: int | None
+) -> OOMInjection:
+    """An injection that counts the calls of method ``cls.name`` (each a ``what``) and raises at the chosen ones."""
+    handle = OOMInjection(cls.__name__, phase, _call_set(calls, what), _check_rank(rank))
+    original = cls.__dict__[name]
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handle._count_call(f"at {what}")
         return original(self, *args, **kwargs)
 
-    handle._handles.append(_MethodPatch(Microbatch, "to", to))
+    handle._handles.append(_MethodPatch(cls, name, counted))
     return handle
 
 
@@ -364,15 +371,7 @@ def inject_oom_in_cut(*, calls: int | Iterable[int] = 0, rank: int | None = None
     """
     from elastic_batches.padding import Padding
 
-    handle = OOMInjection("Padding", "cut", _call_set(calls, "cut"), _check_rank(rank))
-    original = Padding.piece
-
-    def piece(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handle._count_call("at cut")
-        return original(self, *args, **kwargs)
-
-    handle._handles.append(_MethodPatch(Padding, "piece", piece))
-    return handle
+    return _inject_in_method(Padding, "piece", "cut", "cut", calls, rank)
 
 
 class _OpMode(TorchDispatchMode):
