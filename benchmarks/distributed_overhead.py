@@ -108,7 +108,7 @@ class _Timed:
 
     def __init__(self, sync: Any) -> None:
         self.totals = {"vote": 0.0, "sync": 0.0}
-        self.calls = {"all_reduce": 0, eb.distributed._ALL_GATHER: 0, eb.distributed._REDUCE_SCATTER: 0}
+        self.calls = {"all_reduce": 0, eb.distributed.wire.ALL_GATHER: 0, eb.distributed.wire.REDUCE_SCATTER: 0}
         for name, bucket in (("vote", "vote"), ("prepare", "sync"), ("reduce", "sync")):
             setattr(sync, name, self._timed(getattr(sync, name), bucket))
 
@@ -247,7 +247,7 @@ def _vote_alone(sync: Any, params: list[torch.Tensor] | None, calls: int = 50) -
         if params is not None:
             sync.prepare(params)
         start = time.perf_counter()
-        sync.vote(eb.distributed.OK, 1, 1.0, params)
+        sync.vote(eb.distributed.Status.OK, 1, 1.0, params)
         spent += time.perf_counter() - start
         sync.discard()
     elapsed = torch.tensor([spent / calls], dtype=torch.float64)
@@ -306,8 +306,8 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
             }
             collectives = _collectives_per_step(variants["elastic"], timed)
             record["all_reduces_per_step"] = collectives["all_reduce"]
-            record["all_gathers_per_step"] = collectives[eb.distributed._ALL_GATHER]
-            record["reduce_scatters_per_step"] = collectives[eb.distributed._REDUCE_SCATTER]
+            record["all_gathers_per_step"] = collectives[eb.distributed.wire.ALL_GATHER]
+            record["reduce_scatters_per_step"] = collectives[eb.distributed.wire.REDUCE_SCATTER]
             if ddp:
                 record["plain_sync_ms"] = 1e3 * statistics.median(probes["last_extra"])
             else:

@@ -4,9 +4,9 @@ from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.collate import ElasticCollate, register_collate
-from elastic_batches.controller import ElasticOOMError, SettledSplit, SplitController
+from elastic_batches.controller import SettledSplit, SplitController
 from elastic_batches.loader import MicrobatchingDataLoader
-from elastic_batches.oom import is_oom_error
+from elastic_batches.oom import ElasticOOMError, is_oom_error
 from elastic_batches.padding import Padding
 from elastic_batches.step import ElasticStep
 from elastic_batches.structures import register_batch_type

@@ -30,12 +30,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from elastic_batches._state import check_state_dict
 from elastic_batches.balance import BatchLoad, rows_within
+from elastic_batches.oom import ElasticOOMError
 
-__all__ = ["ElasticOOMError", "SettledSplit", "SplitController"]
+__all__ = ["SettledSplit", "SplitController"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +56,6 @@ _STATE_KEYS = frozenset(
         "discarded_microbatches",
     }
 )
-
-
-class ElasticOOMError(torch.OutOfMemoryError):
-    """Out of memory where splitting cannot help: at the smallest microbatch, or outside the microbatches."""
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Recognising out-of-memory errors and releasing the memory a failed attempt held.
+"""Recognising out-of-memory errors, the outcome of an attempt, and releasing what a failed attempt held.
 
 OOM detection lives in this file only. ``torch.OutOfMemoryError`` is matched by type first;
 backends that raise a plain ``RuntimeError`` are matched on their documented messages second.
@@ -7,12 +7,26 @@ Every other exception is left alone.
 
 from __future__ import annotations
 
+import enum
 import gc
 import traceback
 
 import torch
 
-__all__ = ["is_oom_error", "release_memory"]
+__all__ = ["ElasticOOMError", "Status", "is_oom_error", "release_memory", "status_of"]
+
+
+class ElasticOOMError(torch.OutOfMemoryError):
+    """Out of memory where splitting cannot help: at the smallest microbatch, or outside the microbatches."""
+
+
+class Status(enum.IntEnum):
+    """The outcome of an attempt, or of any phase every rank votes on: the worst over ranks wins."""
+
+    OK = 0
+    OOM = 1
+    ERROR = 2
+
 
 # Messages of allocators that raise RuntimeError rather than torch.OutOfMemoryError.
 _OOM_MESSAGES = (
@@ -58,6 +72,18 @@ def is_oom_error(exc: BaseException) -> bool:
         return False
     message = str(exc)
     return any(pattern in message for pattern in _OOM_MESSAGES)
+
+
+def status_of(exc: BaseException) -> Status:
+    """``Status.OOM`` for an out-of-memory error (:func:`is_oom_error`), ``Status.ERROR`` for any other.
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.oom import status_of
+        >>> status_of(torch.OutOfMemoryError("CUDA out of memory")).name, status_of(KeyError("x")).name
+        ('OOM', 'ERROR')
+    """
+    return Status.OOM if is_oom_error(exc) else Status.ERROR
 
 
 def release_memory(exc: BaseException | None = None) -> None:

@@ -14,9 +14,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from elastic_batches._warnings import warn_on_rank_zero, warn_once
 from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
-from elastic_batches.controller import ElasticOOMError, SplitController
-from elastic_batches.distributed import ERROR, OK, OOM, GradientSync, Outcome, Verdict, gradient_sync_for
-from elastic_batches.oom import is_oom_error, release_memory
+from elastic_batches.controller import SplitController
+from elastic_batches.distributed import GradientSync, Verdict, gradient_sync_for
+from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
 
@@ -33,13 +33,9 @@ class _Attempt:
     size: int  # the largest microbatch (rows, or the controller's unit)
     total: float = 0.0  # rows, or counted items with count_fn
     started: int = 0  # microbatches started
-    status: int = OK
+    status: Status = Status.OK
     result: Any = None  # backward: the weighted loss; evaluate: the outputs
     error: BaseException | None = None
-
-
-def _status_of(err: BaseException) -> int:
-    return OOM if is_oom_error(err) else ERROR
 
 
 def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
@@ -80,19 +76,19 @@ def _stop_together(sync: GradientSync, final: ElasticOOMError | None, oom: BaseE
     in tokens) at different times; this small collective runs only after an OOM, never in a
     step that fitted.
     """
-    outcome = sync.agree(OOM if final is not None else OK)
+    outcome = sync.agree(Status.OOM if final is not None else Status.OK)
     if final is not None:
         raise final from oom
-    if outcome.status != OK:
+    if outcome.status != Status.OK:
         raise ElasticOOMError(
             f"rank(s) {list(outcome.oom_ranks)} ran out of memory even at their smallest microbatch; this rank "
             "stops too instead of waiting for them (see their error for what was tried)"
         ) from oom
 
 
-def _raise_if_failed(outcome: Outcome, error: BaseException | None, where: str) -> None:
+def _raise_if_failed(outcome: Verdict, error: BaseException | None, where: str) -> None:
     """Raise on every rank when a phase that splitting cannot help failed on any rank."""
-    if outcome.status == OK:
+    if outcome.status == Status.OK:
         return
     if error is not None and not is_oom_error(error):
         raise error
@@ -175,10 +171,25 @@ class ElasticStep:
 
     @property
     def sync(self) -> GradientSync:
-        """The rank-agreement and gradient-sync scheme, chosen at the first step."""
+        """The rank-agreement and gradient-sync scheme, chosen at the first step.
+
+        Set it before the first step to give the scheme options of its own, for instance
+        ``step.sync = elastic_batches.distributed.gradient_sync_for(model, bucket_bytes=...)``.
+        """
         if self._sync is None:
             self._sync = gradient_sync_for(self.model)
         return self._sync
+
+    @sync.setter
+    def sync(self, sync: GradientSync) -> None:
+        if not isinstance(sync, GradientSync):
+            raise TypeError(
+                f"ElasticStep.sync must be a GradientSync (from elastic_batches.distributed.gradient_sync_for), "
+                f"got {type(sync).__qualname__}"
+            )
+        if sync.model is not self.model:
+            raise ValueError("ElasticStep.sync: the scheme was made for another model than the step's")
+        self._sync = sync
 
     def backward(
         self, batch: ElasticBatch | Any, loss_fn: LossFn, *, count_fn: CountFn | None = None, unwrap: bool = True
@@ -364,9 +375,9 @@ class ElasticStep:
                         self._warn_batchnorm(count)
                     run(attempt, count)
                 except Exception as err:  # maybe on this rank only: the vote must still happen
-                    attempt.status, attempt.error, attempt.result = _status_of(err), err, None
+                    attempt.status, attempt.error, attempt.result = status_of(err), err, None
                 verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params)
-                if verdict.status == OK:
+                if verdict.status == Status.OK:
                     self._rollback.commit()
                     self.controller.record_success(verdict.size, load)
                     return attempt, verdict
@@ -417,16 +428,22 @@ class ElasticStep:
             return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
 
     def _learn_from_failure(
-        self, verdict: Verdict, status: int, error: BaseException | None, batch: ElasticBatch, started: int, where: str
+        self,
+        verdict: Verdict,
+        status: Status,
+        error: BaseException | None,
+        batch: ElasticBatch,
+        started: int,
+        where: str,
     ) -> None:
         """After a vote that failed: raise this rank's own error, stop with a failed peer, or learn from the OOM.
 
         Every rank calls it with the same verdict, so all raise or all retry; a split limit
         reached on one rank only stops every rank (``_stop_together``).
         """
-        if error is not None and status == ERROR:
+        if error is not None and status == Status.ERROR:
             raise error
-        if verdict.status == ERROR:
+        if verdict.status == Status.ERROR:
             raise RuntimeError(
                 f"ElasticStep.{where}: rank(s) {list(verdict.error_ranks)} raised an error other than an OOM; "
                 "this rank stops too instead of waiting for them"
@@ -443,7 +460,7 @@ class ElasticStep:
     def _check_gather(self, where: str) -> None:
         """Raise on every rank when some rank cannot hold what an attempt gathers before its microbatches."""
         outcome = self.sync.check_gather()
-        if outcome.status != OK:
+        if outcome.status != Status.OK:
             ranks = sorted(outcome.oom_ranks + outcome.error_ranks)
             raise ElasticOOMError(
                 f"ElasticStep.{where}: rank(s) {ranks} cannot hold the model's gathered (unsharded) parameters "
@@ -555,14 +572,14 @@ class ElasticStep:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"ElasticStep.optimizer_step: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        status, error, total_sq = OK, None, 0.0
+        status, error, total_sq = Status.OK, None, 0.0
         try:
             if self.grad_scaler is not None:
                 self.grad_scaler.unscale_(optimizer)
             if max_grad_norm is not None:
                 total_sq = self.sync.local_grad_sq_norm(grads)
         except Exception as err:
-            status, error = _status_of(err), err
+            status, error = status_of(err), err
         if max_grad_norm is not None:
             # A vote before any rank steps: an OOM in the norm on one rank must not leave the others updated.
             outcome = self.sync.agree(status, total_sq)  # under FSDP2 it also sums the shards' parts of the norm
@@ -570,7 +587,7 @@ class ElasticStep:
             if not self.sync.replicated:
                 total_sq = outcome.sums[0]
         norm = None
-        if status == OK:
+        if status == Status.OK:
             try:
                 if max_grad_norm is not None:
                     norm = torch.tensor(math.sqrt(total_sq), dtype=torch.float64)
@@ -585,7 +602,7 @@ class ElasticStep:
                 else:
                     optimizer.step()
             except Exception as err:
-                status, error = _status_of(err), err
+                status, error = status_of(err), err
         _raise_if_failed(self.sync.agree(status), error, "optimizer.step()")
         return norm
 

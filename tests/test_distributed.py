@@ -861,8 +861,8 @@ def test_evaluate_with_an_oom_on_one_rank(ranks: RankPool, kind: str) -> None:
 
 # -- DDP: the vote inside the first bucket's all-reduce ---------------------------------------------
 
-GATHER = distributed._ALL_GATHER  # the vote's all-gather
-SCATTER = distributed._REDUCE_SCATTER  # FSDP2's gradient reduce-scatter
+GATHER = distributed.wire.ALL_GATHER  # the vote's all-gather
+SCATTER = distributed.wire.REDUCE_SCATTER  # FSDP2's gradient reduce-scatter
 _COUNTED = ("all_reduce", GATHER, "all_gather", "broadcast", SCATTER)
 
 
@@ -888,23 +888,16 @@ def _counting_collectives() -> Iterator[dict[str, int]]:
             setattr(dist, name, original)
 
 
-@contextlib.contextmanager
-def _bucket_bytes(nbytes: int | None) -> Iterator[None]:
-    """Smaller gradient buckets (``None``: the default), so that tensors are cut between several buckets."""
-    saved = distributed._BUCKET_BYTES
-    distributed._BUCKET_BYTES = saved if nbytes is None else nbytes
-    try:
-        yield
-    finally:
-        distributed._BUCKET_BYTES = saved
-
-
 def _counted_steps(
-    rank: int, kind: str, plan: list[Any], rows: list[int]
+    rank: int, kind: str, plan: list[Any], rows: list[int], **sync_options: Any
 ) -> tuple[nn.Module, eb.ElasticStep, list[dict[str, int]], list[int]]:
-    """3 steps of split 3 with the OOMs of ``plan``; the model, the step, each step's collectives, the OOMs fired."""
+    """3 steps of split 3 with the OOMs of ``plan``; the model, the step, each step's collectives, the OOMs fired.
+
+    ``sync_options`` go to ``gradient_sync_for`` (smaller buckets, so that tensors are cut between several).
+    """
     model = _distribute(kind, _plain_model())
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3))
+    step.sync = distributed.gradient_sync_for(model, **sync_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     handles = _injections(model, plan)
     per_step = []
@@ -922,9 +915,9 @@ def _counted_steps(
 
 def _fused(rank: int, world: int, plan: list[Any], rows: list[int], bucket_bytes: int | None = None) -> dict[str, Any]:
     """3 DDP steps of split 3; the collectives each step started, the weights' error and the controller."""
-    with _bucket_bytes(bucket_bytes):
-        model, step, per_step, fired = _counted_steps(rank, "ddp", plan, rows)
-    assert isinstance(step.sync, distributed._DistributedDataParallel)
+    options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    model, step, per_step, fired = _counted_steps(rank, "ddp", plan, rows, **options)
+    assert isinstance(step.sync, distributed.ddp.DistributedDataParallel)
     sync_plan = step.sync._plan
     assert sync_plan is not None
     return {
@@ -1020,20 +1013,15 @@ def test_ddp_a_layer_frozen_when_wrapped_trains_once_unfrozen_as_in_one_process(
 
 def _fsdp_fused(rank: int, world: int, plan: list[Any], fused_bytes: int) -> dict[str, Any]:
     """3 FSDP2 steps of split 3 (gradients riding with the vote: at most ``fused_bytes`` a rank); collectives a step."""
-    saved = distributed._FUSED_BYTES
-    distributed._FUSED_BYTES = fused_bytes
-    try:
-        model, step, per_step, fired = _counted_steps(rank, "fsdp", plan, [12, 12])
-    finally:
-        distributed._FUSED_BYTES = saved
-    assert isinstance(step.sync, distributed._FullyShard)
+    model, step, per_step, fired = _counted_steps(rank, "fsdp", plan, [12, 12], fused_bytes=fused_bytes)
+    assert isinstance(step.sync, distributed.fsdp2.FullyShard)
     return {
         "error": _relative_error(_full(model.parameters()), _reference([12, 12], 3)),
         "per_step": per_step,
         "fired": fired,
         "count": step.controller.split_count,
         # FSDP2's own all-gathers in an attempt: one per parameter group
-        "unshards": sum(len(distributed._param_groups(module)) for module in step.sync.modules),
+        "unshards": sum(len(distributed.fsdp2.param_groups(module)) for module in step.sync.modules),
     }
 
 
@@ -1089,7 +1077,7 @@ def test_the_collectives_raise_no_warning(ranks: RankPool) -> None:
 
 def _first_plan_fails(rank: int, world: int) -> dict[str, Any]:
     """The persistent buffers cannot be allocated on rank 1 at the first attempt: the votes stay separate."""
-    original = distributed._FlatPlan
+    original = distributed.ddp.FlatPlan
     calls = [0]
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -1098,11 +1086,11 @@ def _first_plan_fails(rank: int, world: int) -> dict[str, Any]:
             raise torch.OutOfMemoryError("simulated: no room for the reduction buffers")
         return original(*args, **kwargs)
 
-    distributed._FlatPlan = failing  # type: ignore[assignment,misc]
+    distributed.ddp.FlatPlan = failing  # type: ignore[assignment,misc]
     try:
         return _fused(rank, world, [], [12, 12])
     finally:
-        distributed._FlatPlan = original  # type: ignore[misc]
+        distributed.ddp.FlatPlan = original  # type: ignore[misc]
 
 
 def test_ddp_an_oom_allocating_the_persistent_buffers_keeps_the_vote_separate(ranks: RankPool) -> None:
@@ -1205,7 +1193,7 @@ def _vote_in(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     sync = step.sync
     sync.prepare(params)
-    status = eb.distributed.OK if rank == 0 else eb.distributed.OOM
+    status = eb.distributed.Status.OK if rank == 0 else eb.distributed.Status.OOM
     with _counting_collectives() as counts:
         verdict = sync.vote(status, 2**40 + 3 - rank, 1e15 / 3 + rank, params)
     sync.discard()
@@ -1218,62 +1206,9 @@ def test_ddp_fused_vote_is_exact_in_any_gradient_dtype(ranks: RankPool, dtype: s
     grand_total = math.fsum([1e15 / 3, 1e15 / 3 + 1])
     for rank, result in enumerate(results):
         assert result["counts"][GATHER] == 0 and result["counts"]["all_reduce"] == 1
-        want = (eb.distributed.OOM, 2**40 + 2, 2**40 + 2, (1e15 / 3 + rank) / grand_total, ())
-        assert result["verdict"] == want
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_vote_bytes_carry_every_vote_exactly_and_decode_again_only_when_the_sum_changes(dtype: torch.dtype) -> None:
-    votes = [distributed._VoteBytes(rank, 2, dtype) for rank in range(2)]
-
-    def exchange(mine: tuple[float, ...], theirs: tuple[float, ...]) -> Any:
-        return votes[0].read(votes[0].slots(mine) + votes[1].slots(theirs))  # what the sum over ranks carries
-
-    first = exchange((1, 7, 12.5, 0.0), (0, 3, 1 / 3, 1.0))
-    assert first == ((1, 7, 12.5, 0.0), (0, 3, 1 / 3, 1.0))  # float64 values whole, through any carrier
-    assert exchange((1, 7, 12.5, 0.0), (0, 3, 1 / 3, 1.0)) is first  # the same sum: not decoded again
-    assert exchange((1, 7, 12.5, 0.0), (0, 3, 2 / 3, 1.0)) == ((1, 7, 12.5, 0.0), (0, 3, 2 / 3, 1.0))
-    negative_zero = exchange((0, 7, -0.0, 0.0), (0, 3, 2 / 3, 1.0))[0][2]  # equal to 0.0, other bytes
-    assert negative_zero == 0.0 and math.copysign(1.0, negative_zero) == -1.0
-
-
-def test_buckets_cut_dense_tensors_and_keep_others_whole() -> None:
-    conv = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)  # dense, not contiguous
-    strided = torch.randn(6, 4)[:, ::2]  # not dense: goes whole
-    tensors = [torch.randn(5), conv, strided, torch.randn(0), torch.randn(7)]
-    with _bucket_bytes(4 * 8):  # 8 float32 per bucket
-        plan = distributed._FlatPlan(tensors, vote_numel=3)
-    assert plan.splittable == [True, True, False, True, True]
-    # 5 + 3 of the 48 of conv, 5 x 8 of conv, the last 5 of conv, strided whole (12 > the 3 left), 7
-    assert [len(b.flat) for b in plan.buckets] == [8, 8, 8, 8, 8, 8, 5, 12, 7]
-    assert plan.fused is not None and plan.vote is not None and len(plan.fused) == 8 + 3
-    parts = plan.bind(tensors)
-    expected = [t.clone() for t in tensors]
-    for index in range(len(plan.buckets)):
-        plan.fill(index, parts[index], 2.0)
-        plan.drain(index, parts[index], 1.5)
-    for got, want in zip(tensors, expected, strict=True):
-        torch.testing.assert_close(got, 3.0 * want)
-    assert conv.is_contiguous(memory_format=torch.channels_last)
-    # the whole tensors are their own parts (no view per step); the cut one is read in memory order
-    assert parts[7][0] is tensors[2] and parts[8][0] is tensors[4]
-    assert parts[0][0] is tensors[0] and parts[0][1].data_ptr() == conv.data_ptr()
-
-
-def test_a_whole_tensor_of_any_layout_goes_through_its_bucket_unchanged() -> None:
-    conv = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
-    transposed = torch.randn(4, 3).t()  # dense, not contiguous
-    strided = torch.randn(6, 4)[:, ::2]  # not dense
-    tensors = [conv, transposed, strided]
-    plan = distributed._FlatPlan(tensors)
-    (parts,) = plan.bind(tensors)
-    assert all(part is tensor for part, tensor in zip(parts, tensors, strict=True))
-    expected = [t.clone() for t in tensors]
-    flat = plan.fill(0, parts, 2.0)
-    assert flat.numel() == sum(t.numel() for t in tensors)
-    plan.drain(0, parts)
-    for got, want in zip(tensors, expected, strict=True):
-        torch.testing.assert_close(got, 2.0 * want)
+        status, oom_ranks, error_ranks, oom_size, size, scale, sums = result["verdict"]
+        assert (status, oom_ranks, error_ranks, sums) == (eb.distributed.Status.OOM, (1,), (), ())
+        assert (oom_size, size, scale) == (2**40 + 2, 2**40 + 2, (1e15 / 3 + rank) / grand_total)
 
 
 # -- the harness itself ------------------------------------------------------------------------
@@ -1353,9 +1288,9 @@ def _alone(rank: int, world: int, kind: str, options: dict[str, Any]) -> dict[st
 ALONE = {
     # kind, options, the scheme, DDP's reductions in a step that fitted, and the reduce-scatters that
     # ElasticStep starts in each step (FSDP2 skips its own on one rank)
-    "ddp": ("ddp", {}, "_SingleRankDDP", 0, [0, 0, 0]),
+    "ddp": ("ddp", {}, "SingleRankDDP", 0, [0, 0, 0]),
     "ddp-static-graph": ("ddp", {"static_graph": True}, "GradientSync", 3, [0, 0, 0]),  # its first backward: DDP's
-    "fsdp": ("fsdp", {}, "_FullyShard", 0, [2, 1, 1]),  # the OOM's attempt and its retry each vote in one
+    "fsdp": ("fsdp", {}, "FullyShard", 0, [2, 1, 1]),  # the OOM's attempt and its retry each vote in one
     # layouts the several-rank scheme refuses: FSDP2 reduces each microbatch itself
     "fsdp-shard-1": ("fsdp-shard-1", {}, "GradientSync", 0, [0, 0, 0]),
     "fsdp-root-not-sharded": ("fsdp-root-not-sharded", {}, "GradientSync", 0, [0, 0, 0]),

@@ -27,10 +27,8 @@ from lightning.pytorch.trainer import call
 from torch.optim import Optimizer
 
 from elastic_batches.batch import Microbatch
-from elastic_batches.controller import ElasticOOMError
-from elastic_batches.distributed import ERROR, OK, OOM
 from elastic_batches.lightning._outputs import combine_outputs
-from elastic_batches.oom import is_oom_error
+from elastic_batches.oom import ElasticOOMError, Status, status_of
 from elastic_batches.step import _raise_if_failed
 
 if TYPE_CHECKING:
@@ -94,7 +92,7 @@ class ElasticOptimization(_AutomaticOptimization):
         if not isinstance(closure, ElasticClosure):
             super()._optimizer_step(batch_idx, closure)
             return
-        status, error = OK, None
+        status, error = Status.OK, None
         self._norm_voted = False
         try:
             super()._optimizer_step(batch_idx, closure)
@@ -103,7 +101,7 @@ class ElasticOptimization(_AutomaticOptimization):
                 raise  # from the microbatches: ElasticStep raised it on every rank already
             error = err
             # An ElasticOOMError comes from the norm's vote, which told every rank already: nothing more to report.
-            status = OK if isinstance(err, ElasticOOMError) else OOM if is_oom_error(err) else ERROR
+            status = Status.OK if isinstance(err, ElasticOOMError) else status_of(err)
         step = self.elastic.step_for("train")  # the one the closure ran (the closure sets its backward_fn again)
         if error is not None and not self._norm_voted and self._clips_by_norm():
             step.sync.agree(status, 0.0, 1.0)  # failed before clipping: meet the other ranks in the norm's vote
@@ -136,11 +134,11 @@ class ElasticOptimization(_AutomaticOptimization):
                 original(optimizer, clip_val)
                 return
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            status, error, total_sq = OK, None, 0.0
+            status, error, total_sq = Status.OK, None, 0.0
             try:
                 total_sq = step.sync.local_grad_sq_norm(grads)
             except Exception as err:
-                status, error = (OOM if is_oom_error(err) else ERROR), err
+                status, error = status_of(err), err
             self._norm_voted = True
             outcome = step.sync.agree(status, total_sq, 0.0)  # 1.0 from a rank that failed before its clipping
             _raise_if_failed(outcome, error, _WHERE if outcome.sums[1] else "the gradient norm")

@@ -1,0 +1,419 @@
+"""FSDP2 (``fully_shard``): every module unsharded once an attempt, the vote in the first reduce-scatter.
+
+No collective runs inside a microbatch: before the first one every FSDP2 module is all-gathered
+(after a gather check on which every rank agrees), and reduction and resharding are switched off
+until the last one is done; the accumulated unsharded gradients are then reduce-scattered into
+the sharded ``.grad`` through buffers allocated before the vote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_batches.distributed.buckets import DEFAULT_BUCKET_BYTES, group_by_bytes
+from elastic_batches.distributed.plain import Agreeing
+from elastic_batches.distributed.protocol import Rows, Verdict, verdict_of
+from elastic_batches.distributed.wire import REDUCE_SCATTER, VOTE_BYTES, UsedMap, VoteBytes
+from elastic_batches.oom import Status, status_of
+
+__all__ = ["DEFAULT_FUSED_BYTES", "FullyShard", "fsdp_module_type", "param_groups"]
+
+DEFAULT_FUSED_BYTES = 1024 * 1024  # gradients that ride with the vote, per rank's part
+# The dtype of the vote's reduce-scatter (float64 when some gradient is float64), and the gradient
+# dtypes that ride in it: those it holds exactly.
+FUSED_RIDERS = {
+    torch.float32: (torch.float32, torch.bfloat16, torch.float16),
+    torch.float64: (torch.float64, torch.float32, torch.bfloat16, torch.float16),
+}
+
+
+def fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
+
+
+@dataclasses.dataclass
+class _ShardedGrad:
+    """One FSDP2 parameter's gradient on its way from unsharded (every rank) to sharded (this rank's rows)."""
+
+    fsdp_param: Any  # torch's FSDPParam
+    sharded: Any  # the sharded parameter (a DTensor)
+    full: torch.Tensor | None = None  # the accumulated unsharded gradient
+    local: torch.Tensor | None = None  # this rank's rows of the reduced gradient
+    offset: int = 0  # of its segment in a rank's part of the bucket
+    chunk_rows: int = 0  # rows of each rank's (padded) chunk
+    row_numel: int = 1  # elements per row
+
+
+def _fill(send: torch.Tensor, e: _ShardedGrad) -> None:
+    """Copy ``e``'s unsharded gradient into its columns of ``send`` (a row per rank), each rank's rows in its row."""
+    assert e.full is not None
+    world = send.shape[0]
+    rows, width = e.sharded.shape[0], e.chunk_rows * e.row_numel
+    full = e.full.reshape(rows, e.row_numel)
+    if rows == world * e.chunk_rows:
+        send[:, e.offset : e.offset + width].copy_(full.view(world, width))
+        return
+    for r in range(world):
+        lo, hi = r * e.chunk_rows, min((r + 1) * e.chunk_rows, rows)
+        part = send[r, e.offset : e.offset + width]
+        filled = max(0, hi - lo) * e.row_numel
+        if filled:
+            part[:filled].view(hi - lo, e.row_numel).copy_(full[lo:hi])
+        part[filled:].zero_()
+
+
+class _FusedVote:
+    """The buffers of FSDP2's first reduce-scatter, kept for the run: each rank's part holds the votes, then gradients.
+
+    Every rank writes its vote into its slot in every rank's part (zeros elsewhere), so the
+    reduce-scatter hands each rank all the votes. A rank whose attempt failed sends what the
+    buffer holds in place of gradients (the others discard the result): nothing is allocated.
+    """
+
+    def __init__(self, rank: int, world: int, numel: int, dtype: torch.dtype, device: str) -> None:
+        self.world, self.numel = world, numel
+        self.riders = FUSED_RIDERS[dtype]  # the gradient dtypes it carries
+        slots = world * VOTE_BYTES
+        self.send = torch.zeros(world, slots + numel, dtype=dtype, device=device)
+        self.receive = torch.zeros(slots + numel, dtype=dtype, device=device)
+        # This rank's slots: written on the host, copied whole to the device (no temporary there), then
+        # into every rank's part on the device.
+        self._votes = VoteBytes(rank, world, dtype)
+        host = self._votes.host
+        self._slots = host if self.send.device.type == "cpu" else torch.zeros_like(host, device=device)
+
+    def parts(self) -> torch.Tensor:
+        """The gradient columns of every rank's part (a view: fill it before :meth:`exchange`)."""
+        return self.send[:, self.world * VOTE_BYTES :]
+
+    def exchange(self, values: Sequence[float], group: dist.ProcessGroup | None) -> Rows:
+        """Send this rank's vote ``values`` with the gradients; every rank's vote values."""
+        host = self._votes.slots(values)
+        if self._slots is not host:
+            self._slots.copy_(host)
+        self.send[:, : self.world * VOTE_BYTES].copy_(self._slots.expand(self.world, -1))
+        getattr(dist, REDUCE_SCATTER)(self.receive, self.send.view(-1), group=group)
+        return self._votes.read(self.receive[: self.world * VOTE_BYTES])
+
+    def received(self) -> torch.Tensor:
+        """This rank's part of the reduced gradients, after :meth:`exchange`."""
+        return self.receive[self.world * VOTE_BYTES :]
+
+
+class FullyShard(Agreeing):
+    """FSDP2 (``fully_shard``): all-gather once, no collective in the microbatches, the vote in a reduce-scatter.
+
+    Memory: while the microbatches run, every FSDP2 module's parameters are unsharded at once
+    and the gradients accumulate unsharded (what DDP holds); after the last microbatch the
+    parameters are resharded, and the reduction takes one bucket of ``world_size x
+    bucket_bytes`` plus this rank's sharded gradients. The first reduce-scatter, which carries
+    the vote, goes through buffers kept for the whole run (``world_size x`` at most
+    ``fused_bytes``, float32 or float64 when some gradient is: narrower gradients in it are
+    summed in its dtype), so that a rank whose attempt failed joins it without allocating.
+
+    Args:
+        model: The root FSDP2 module.
+        bucket_bytes: The most one reduce-scatter bucket holds per rank's part.
+        fused_bytes: The most of the gradients that ride with the vote, per rank's part.
+    """
+
+    replicated = False
+
+    def __init__(
+        self, model: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fused_bytes: int = DEFAULT_FUSED_BYTES
+    ) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        fsdp_module = fsdp_module_type()
+        assert fsdp_module is not None
+        self.modules: list[Any] = [m for m in model.modules() if isinstance(m, fsdp_module)]
+        if not hasattr(model, "reset_iter_state"):
+            raise NotImplementedError(
+                f"ElasticStep needs FSDPModule.reset_iter_state to recover FSDP2 after an OOM; torch "
+                f"{torch.__version__} lacks it: upgrade torch (tested with 2.13)"
+            )
+        self.bucket_bytes, self.fused_bytes = bucket_bytes, fused_bytes
+        self._params: list[Any] = []
+        for module in self.modules:
+            for group in param_groups(module):
+                self._params.extend(group.fsdp_params)
+        managed = {id(fp.sharded_param) for fp in self._params}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in managed:
+                raise NotImplementedError(
+                    f"ElasticStep: parameter {name!r} of the FSDP2 model is not sharded by fully_shard "
+                    "(ignored_params?); shard every trained parameter"
+                )
+        # fully_shard without mesh= makes a new, equal DeviceMesh per call: meshes are compared by equality.
+        meshes: list[Any] = []
+        for fp in self._params:
+            if not any(fp.sharded_param.device_mesh == seen for seen in meshes):
+                meshes.append(fp.sharded_param.device_mesh)
+        if len(meshes) != 1:
+            raise NotImplementedError(
+                f"ElasticStep supports FSDP2 over one device mesh, got {len(meshes)} different meshes: "
+                "shard every module of the model over the same mesh"
+            )
+        (mesh,) = meshes
+        for fp in self._params:
+            p = fp.sharded_param
+            if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or not isinstance(p, DTensor) or p.dim() == 0:
+                raise NotImplementedError(
+                    f"ElasticStep supports FSDP2 with a 1-D mesh and Shard(0) parameters (fully_shard's default); "
+                    f"got placements {tuple(p.placements)} on a {mesh.ndim}-D mesh (HSDP, shard_placement_fn and "
+                    "tensor parallelism are not supported yet)"
+                )
+        super().__init__(model, mesh.get_group())
+        self.root: Any = model
+        self.mesh = mesh
+        self._grads: list[_ShardedGrad] | None = None
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
+        self._used = UsedMap(self.device, self.group)
+        # The vote's reduce-scatter: each rank's part is the vote slots, then gradients.
+        self._fused: _FusedVote | None = None  # allocated by the first gather check, kept
+        self._fused_grads: list[_ShardedGrad] = []  # this attempt's gradients that ride with the vote
+        self._fused_factor: float | None = None  # after a vote that fitted: theirs still to apply
+        self._reference = 1.0  # the last grand total: those gradients are pre-scaled by total_r / reference
+
+    def _flags(self) -> list[tuple[Any, Any, bool, Any, bool, tuple[bool, bool]]]:
+        """FSDP2's per-group settings that ``microbatches`` changes, to restore them after."""
+        saved = []
+        for module in self.modules:
+            state = module._get_fsdp_state()
+            for group in param_groups(module):
+                saved.append(
+                    (
+                        state,
+                        group,
+                        state._auto_reshard_after_forward,
+                        group.post_forward_mesh_info,
+                        group.reshard_after_backward,
+                        (group.reduce_grads, group.all_reduce_grads),
+                    )
+                )
+        return saved
+
+    def check_gather(self) -> Verdict:
+        """Reserve, for a moment, what unsharding every module takes; then agree on who could.
+
+        The unsharded parameters (in their all-gather dtype) plus one group's all-gather buffer.
+        Freed at once: the caching allocator then serves the all-gathers from that memory.
+        """
+        status = Status.OK
+        try:
+            self.root._get_fsdp_state()._lazy_init()  # settles the all-gather dtypes (mixed precision)
+            if self._fused is None:
+                self._fused = self._fused_vote()
+            torch.empty(self._gather_bytes(), dtype=torch.uint8, device=self._params[0].sharded_param.to_local().device)
+        except Exception as err:  # noqa: BLE001 - any failure is told to the peers, which must not wait for it
+            status = status_of(err)
+        return self.agree(status)
+
+    def _fused_vote(self) -> _FusedVote:
+        """The vote's reduce-scatter buffers: float64 if some gradient is, else float32; 1 MiB a part, or less.
+
+        Each rank's part holds what fits of the gradients it can carry exactly, as :meth:`prepare`
+        will place them.
+        """
+        # A gradient accumulates in the reduction dtype (mixed precision), if any.
+        dtypes = [fp.reduce_dtype or fp.param_dtype or fp.orig_dtype for fp in self._params]
+        dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+        parts = 0
+        for fp, grad_dtype in zip(self._params, dtypes, strict=True):
+            if grad_dtype in FUSED_RIDERS[dtype]:
+                rows = fp.sharded_param.shape[0]
+                parts += -(-rows // self.world_size) * (fp.sharded_param.numel() // rows if rows else 0)
+        numel = min(self.fused_bytes // dtype.itemsize, parts)
+        return _FusedVote(self.rank, self.world_size, numel, dtype, self.mesh.device_type)
+
+    def _gather_bytes(self) -> int:
+        total, largest = 0, 0
+        for module in self.modules:
+            for group in param_groups(module):
+                nbytes = self.world_size * sum(
+                    fp.padded_sharded_param_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize
+                    for fp in group.fsdp_params
+                )
+                total, largest = total + nbytes, max(largest, nbytes)
+        return total + largest
+
+    @contextlib.contextmanager
+    def microbatches(self) -> Iterator[None]:
+        self.root._get_fsdp_state()._lazy_init()  # the root's own defaults first, so that they are restored
+        saved = self._flags()
+        try:
+            for module in self.modules:
+                module.set_reshard_after_forward(False, recurse=False)
+                module.set_reshard_after_backward(False, recurse=False)
+                module.set_requires_gradient_sync(False, recurse=False)
+            for module in self.modules:
+                module.unshard()  # the only all-gathers of the step: every rank is here together
+            try:
+                yield
+            except BaseException:
+                self._drop_unsharded_grads()
+                self.root.reset_iter_state()  # reshards, and clears FSDP's state of the aborted pass
+                raise
+            for module in self.modules:
+                module.reshard()  # the unsharded gradients stay, on FSDP's unsharded parameters
+        finally:
+            for state, group, auto, post_forward, after_backward, (reduce_grads, all_reduce) in saved:
+                state._auto_reshard_after_forward = auto
+                group.post_forward_mesh_info = post_forward
+                group.reshard_after_backward = after_backward
+                group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce
+
+    def graph_leaf_ids(self) -> set[int]:
+        # FSDP2's forward runs on the unsharded parameters, whose gradients it reduces into the sharded ones.
+        return super().graph_leaf_ids() | {id(fp._unsharded_param) for fp in self._params}
+
+    def _drop_unsharded_grads(self) -> None:
+        for fp in self._params:
+            fp._unsharded_param.grad = None
+            fp.unsharded_accumulated_grad = None
+
+    @torch.no_grad()
+    def prepare(self, params: Sequence[torch.Tensor]) -> None:
+        world, rank = self.world_size, self.rank
+        grads: list[_ShardedGrad] = []
+        used: list[bool] = []
+        for fp in self._params:
+            p = fp.sharded_param
+            if not p.requires_grad:
+                continue
+            full = fp.unsharded_accumulated_grad
+            if full is None:
+                full = fp._unsharded_param.grad
+            used.append(full is not None)
+            if full is None:  # unused here, maybe used on another rank: every rank reduces the same tensors
+                full = torch.zeros(p.shape, dtype=p.dtype, device=p.to_local().device)
+            rows = p.shape[0]
+            chunk_rows = -(-rows // world)
+            entry = _ShardedGrad(fp, p, full, chunk_rows=chunk_rows, row_numel=p.numel() // rows if rows else 0)
+            entry.local = torch.empty_like(p.to_local())
+            expected = max(0, min(chunk_rows, rows - rank * chunk_rows))
+            if entry.local.shape[0] != expected:
+                raise NotImplementedError(
+                    f"ElasticStep: FSDP2 shard of {tuple(p.shape)} has {entry.local.shape[0]} rows on rank {rank}, "
+                    f"expected torch.chunk's {expected}: this FSDP2 layout is not supported"
+                )
+            grads.append(entry)
+        assert self._fused is not None  # allocated by the gather check before every attempt
+        fused, room = [], self._fused.numel
+        buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
+        largest: dict[torch.dtype, int] = {}
+        by_dtype: dict[torch.dtype, list[_ShardedGrad]] = {}
+        for entry in grads:
+            assert entry.full is not None
+            width = entry.chunk_rows * entry.row_numel
+            if entry.full.dtype in self._fused.riders and width <= room:  # rides with the vote
+                entry.offset = self._fused.numel - room
+                room -= width
+                fused.append(entry)
+                continue
+            by_dtype.setdefault(entry.full.dtype, []).append(entry)
+        for dtype, entries in by_dtype.items():
+            segments = [e.chunk_rows * e.row_numel for e in entries]
+            for bucket in group_by_bytes([s * world for s in segments], dtype.itemsize, self.bucket_bytes):
+                offset = 0
+                for i in bucket:
+                    entries[i].offset = offset
+                    offset += segments[i]
+                buckets.append((dtype, [entries[i] for i in bucket], offset))
+                largest[dtype] = max(largest.get(dtype, 0), offset)
+        device = self.mesh.device_type
+        self._buffers = {
+            dtype: (
+                torch.empty(world * n, dtype=dtype, device=device),
+                torch.empty(n, dtype=dtype, device=device),
+            )
+            for dtype, n in largest.items()
+        }
+        self._used.record(used)
+        self._grads, self._buckets, self._fused_grads = grads, buckets, fused
+
+    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        if params is None:  # no gradients to reduce (evaluation): the vote alone
+            return super().vote(status, size, total)
+        fused = self._fused
+        assert fused is not None
+        parts = fused.parts()
+        if status == Status.OK:  # pre-scaled by total_r / reference: the grand total is known only after the vote
+            for entry in self._fused_grads:
+                _fill(parts, entry)
+            if total != self._reference:
+                parts.mul_(total / self._reference)
+        rows = fused.exchange((status, size, total, self._used.flag), self.group)
+        verdict = verdict_of(rows, total)
+        self._used.learn(verdict.status, rows)
+        grand_total = math.fsum(r[2] for r in rows)
+        if verdict.status == Status.OK:
+            self._fused_factor = self._reference / grand_total if grand_total else 0.0
+        if grand_total:
+            self._reference = grand_total
+        return verdict
+
+    def discard(self) -> None:
+        self._drop_unsharded_grads()
+        self._grads, self._buckets, self._buffers, self._fused_grads = None, [], {}, []
+        self._fused_factor = None
+        self._used.reset()
+
+    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
+        from torch.distributed.tensor import DTensor
+
+        assert self._grads is not None and self._fused is not None and self._fused_factor is not None
+        received = self._fused.received()
+        if self._fused_factor != 1.0:
+            received.mul_(self._fused_factor)  # in the vote's dtype, before a narrower gradient is rounded
+        for e in self._fused_grads:  # reduced with the vote
+            assert e.local is not None
+            e.local.view(-1).copy_(received[e.offset : e.offset + e.local.numel()])
+        world = self.world_size
+        for dtype, entries, segment in self._buckets:
+            send_buffer, receive_buffer = self._buffers[dtype]
+            send = send_buffer[: world * segment].view(world, segment)
+            for e in entries:
+                _fill(send, e)
+            if scale != 1.0:
+                send.mul_(scale)
+            receive = receive_buffer[:segment]
+            getattr(dist, REDUCE_SCATTER)(receive, send.view(-1), group=self.group)
+            for e in entries:
+                assert e.local is not None
+                e.local.view(-1).copy_(receive[e.offset : e.offset + e.local.numel()])
+        unused_everywhere = self._used.unused_everywhere()
+        with torch.no_grad():
+            for index, e in enumerate(self._grads):
+                assert e.local is not None
+                if index in unused_everywhere:
+                    e.sharded.grad = None
+                    continue
+                e.sharded.grad = DTensor.from_local(
+                    e.local, e.sharded.device_mesh, e.sharded.placements, run_check=False, shape=e.sharded.shape,
+                    stride=e.sharded.stride(),
+                )  # fmt: skip
+        self.discard()
+
+
+def param_groups(module: nn.Module) -> list[Any]:
+    """The FSDPParamGroups of one FSDP2 module (torch internals, read in this one place)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)

@@ -1,0 +1,188 @@
+"""The protocol every gradient-sync scheme follows: what each rank votes, what every rank learns back.
+
+Every method of :class:`GradientSync` is called on every rank in the same order, so every
+collective has its peers. A vote is one row of numbers per rank (an attempt's: its status, the
+size of its largest microbatch, its weight total, whether it left a trained parameter without a
+gradient; another phase's: its status and up to four numbers to sum); every rank decodes the
+same rows into the same :class:`Verdict`. ``GradientSync`` itself is the scheme of one
+process: nothing to agree on, nothing to synchronise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from elastic_batches.oom import Status
+
+__all__ = ["GradientSync", "Rows", "Verdict", "VOTE_WIDTH", "agreement_of", "check_values", "verdict_of"]
+
+VOTE_WIDTH = 5  # values each rank contributes to one vote
+Rows = tuple[tuple[float, ...], ...]  # every rank's vote values, in rank order
+
+
+class Verdict(NamedTuple):
+    """What every rank learned from one vote: an attempt's (:meth:`GradientSync.vote`) or another phase's.
+
+    Attributes:
+        status: The worst outcome over ranks.
+        oom_ranks: Ranks that ran out of memory.
+        error_ranks: Ranks that raised an error other than an OOM.
+        oom_size: An attempt's: the smallest microbatch size (rows, or tokens) that ran out of
+            memory; 0 without OOM.
+        size: An attempt's: the smallest over ranks of each rank's largest microbatch.
+        scale: An attempt's: this rank's share of the global mean, ``total_r / sum(totals)``.
+        sums: Another phase's (:meth:`GradientSync.agree`): the sums over ranks of the values passed.
+    """
+
+    status: Status
+    oom_ranks: tuple[int, ...] = ()
+    error_ranks: tuple[int, ...] = ()
+    oom_size: int = 0
+    size: int = 0
+    scale: float = 1.0
+    sums: tuple[float, ...] = ()
+
+
+_ALL_OK = Verdict(Status.OK)
+
+
+def _ranks(statuses: Sequence[int], status: Status) -> tuple[int, ...]:
+    return tuple(rank for rank, s in enumerate(statuses) if s == status)
+
+
+@functools.lru_cache(maxsize=16)  # a steady run casts the same votes step after step
+def verdict_of(rows: Rows, total: float) -> Verdict:
+    """An attempt's verdict from every rank's ``(status, size, total, ...)``, for the rank whose total is ``total``."""
+    statuses = [int(r[0]) for r in rows]
+    oom_sizes = [int(r[1]) for r in rows if int(r[0]) == Status.OOM]
+    grand_total = math.fsum(r[2] for r in rows)
+    return Verdict(
+        status=Status(max(statuses)),
+        oom_ranks=_ranks(statuses, Status.OOM),
+        error_ranks=_ranks(statuses, Status.ERROR),
+        oom_size=min(oom_sizes) if oom_sizes else 0,
+        size=min(int(r[1]) for r in rows),
+        scale=total / grand_total if grand_total else 0.0,
+    )
+
+
+def agreement_of(rows: Sequence[Sequence[float]], count: int) -> Verdict:
+    """The verdict of another phase from every rank's ``(status, value_1, ..., value_count)``."""
+    statuses = [int(r[0]) for r in rows]
+    return Verdict(
+        status=Status(max(statuses)),
+        oom_ranks=_ranks(statuses, Status.OOM),
+        error_ranks=_ranks(statuses, Status.ERROR),
+        sums=tuple(math.fsum(r[1 + i] for r in rows) for i in range(count)),
+    )
+
+
+def check_values(values: Sequence[float]) -> None:
+    """Refuse more values than a vote carries."""
+    if len(values) > VOTE_WIDTH - 1:
+        raise ValueError(f"GradientSync.agree takes at most {VOTE_WIDTH - 1} values, got {len(values)}")
+
+
+class GradientSync:
+    """One process: nothing to agree on, nothing to synchronise.
+
+    The subclasses add agreement across ranks (a plain module), DDP and FSDP2. Every method is
+    called on every rank in the same order, so every collective has its peers.
+
+    Attributes:
+        replicated: Whether every rank holds whole gradients after :meth:`reduce` (a gradient
+            norm is then computed without communication).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.distributed import GradientSync, Status
+        >>> sync = GradientSync(torch.nn.Linear(2, 1))
+        >>> sync.vote(Status.OK, size=4, total=8.0).scale
+        1.0
+    """
+
+    replicated = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        # The parameters, when the wrapper fixed them at its construction (DDP hooks those it found
+        # then, and synchronises no other): listed once instead of walking the modules every step.
+        self._fixed_parameters: tuple[nn.Parameter, ...] | None = None
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        """The model's parameters, as ``model.parameters()`` lists them."""
+        return self._fixed_parameters if self._fixed_parameters is not None else self.model.parameters()
+
+    def graph_leaf_ids(self) -> set[int]:
+        """The ``id`` of every tensor a microbatch's autograd graph may accumulate a parameter gradient into."""
+        return {id(p) for p in self.parameters()}
+
+    def check_gather(self) -> Verdict:
+        """Before an attempt: every rank learns whether every rank can hold what the attempt gathers first.
+
+        Splitting cannot shrink it (FSDP2: the unsharded parameters), so a rank that cannot must
+        not start gathering while its peers wait. Nothing to gather here: ``OK``, no communication.
+        """
+        return _ALL_OK
+
+    def microbatches(self) -> contextlib.AbstractContextManager[None]:
+        """The context every microbatch of an attempt runs in: no collective may start inside."""
+        return contextlib.nullcontext()
+
+    def prepare(self, params: Sequence[torch.Tensor]) -> None:
+        """Allocate what :meth:`reduce` needs, before the vote: an OOM here is the attempt's OOM.
+
+        Args:
+            params: The trained parameters whose ``.grad`` the attempt accumulated.
+        """
+
+    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        """Share this rank's outcome of an attempt; every rank gets the same verdict back.
+
+        Args:
+            status: This rank's outcome.
+            size: Size of this rank's largest microbatch (rows, or the controller's unit).
+            total: This rank's weight total (rows, or counted items).
+            params: The parameters of a ``backward`` attempt (the same list as for
+                :meth:`prepare`): DDP may start reducing their gradients in the vote's own
+                collective. ``None`` (``evaluate``): no gradients.
+        """
+        return verdict_of(((status, size, total),), total)
+
+    def agree(self, status: Status, *values: float) -> Verdict:
+        """One small collective: every rank learns every rank's status and the sums of ``values``.
+
+        Args:
+            status: This rank's outcome of the phase.
+            values: Up to four numbers to sum over ranks (a partial squared gradient norm).
+        """
+        check_values(values)
+        return agreement_of([(status, *values)], len(values))
+
+    def discard(self) -> None:
+        """Forget an attempt that failed on some rank: its partial gradients and prepared buffers."""
+
+    def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
+        """Turn the ``.grad`` of ``params`` (this rank's mean over its batch) into the global mean, in place.
+
+        A parameter without ``.grad`` (unused by ``loss_fn``) keeps none.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        if scale != 1.0 and grads:
+            torch._foreach_mul_(grads, scale)
+
+    def local_grad_sq_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        """This rank's part of the squared 2-norm of ``grads`` (the whole of it when ``replicated``)."""
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local = [g for g in local if g.numel()]
+        if not local:
+            return 0.0
+        norms = torch._foreach_norm(local, 2.0)
+        return float(torch.stack(norms).double().pow(2).sum())
