@@ -1,0 +1,84 @@
+"""Unchanged Lightning code under ``accumulate_grad_batches="auto"`` behaves as under the plain Trainer.
+
+Each test runs the same LightningModule under ``lightning.pytorch.Trainer`` and under
+``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``, whole and split in two
+(``SplitController(split_count=2)``), and asserts Lightning's own behaviour: the order of the
+hooks, what a failing or skipped step leaves behind, batches that cannot be cut, ``self.log``'s
+checks at the call, the checkpoint's keys, the Trainer's signature and environment defaults,
+LightningCLI, and weights equal within 1e-6.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+from _lightning_models import (
+    Regression,
+    loader,
+    quiet_trainer_kwargs,
+)
+
+import elastic_batches as eb
+from elastic_batches.lightning import ElasticAccumulation, Trainer
+
+EXACT = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def _auto(split: int = 1, **elastic: Any) -> Callable[..., pl.Trainer]:
+    """A factory of ``Trainer(accumulate_grad_batches="auto")`` whose train controller starts at ``split``."""
+
+    def factory(**kwargs: Any) -> pl.Trainer:
+        controllers = {stage: eb.SplitController(split_count=split) for stage in ("train", "validate", "predict")}
+        callback = ElasticAccumulation(controllers=controllers, **elastic)
+        callbacks = [*kwargs.pop("callbacks", []), callback]
+        return Trainer(accumulate_grad_batches="auto", callbacks=callbacks, **kwargs)
+
+    return factory
+
+
+TRAINERS = {"plain": pl.Trainer, "auto": _auto(), "auto-split-2": _auto(2)}
+
+# -- the Trainer's signature ------------------------------------------------------------------------
+
+
+def test_the_trainer_has_lightnings_signature_with_auto_accepted() -> None:
+    ours, lightnings = inspect.signature(Trainer).parameters, inspect.signature(pl.Trainer).parameters
+    assert list(ours) == list(lightnings)
+    assert all(ours[name].default == lightnings[name].default for name in ours)
+    assert "auto" in str(ours["accumulate_grad_batches"].annotation)
+
+
+@pytest.mark.parametrize("accumulate", [None, "auto"], ids=["no-auto", "auto-from-the-environment"])
+def test_pl_trainer_environment_variables_set_the_defaults(monkeypatch: pytest.MonkeyPatch, accumulate: Any) -> None:
+    monkeypatch.setenv("PL_TRAINER_MAX_EPOCHS", "7")
+    monkeypatch.setenv("PL_TRAINER_LOG_EVERY_N_STEPS", "3")
+    if accumulate is not None:
+        monkeypatch.setenv("PL_TRAINER_ACCUMULATE_GRAD_BATCHES", accumulate)
+    trainer = Trainer(logger=False, enable_checkpointing=False, log_every_n_steps=5)
+    assert (trainer.max_epochs, trainer.log_every_n_steps) == (7, 5)  # an argument given wins over the environment
+    assert (trainer.elastic is not None) == (accumulate == "auto")
+
+
+def test_accumulate_grad_batches_reads_the_outer_accumulation_from_construction_on() -> None:
+    elastic = ElasticAccumulation(accumulate_grad_batches=3)
+    trainer = Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", callbacks=[elastic]))
+    assert trainer.accumulate_grad_batches == 3
+    trainer.fit(Regression(), loader(10))
+    assert trainer.accumulate_grad_batches == 3 and trainer.global_step == 4
+
+
+def test_lightning_cli_with_the_trainer_class_takes_accumulate_grad_batches_auto() -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    arguments = ["--trainer.accumulate_grad_batches", "auto", "--trainer.max_epochs", "1", "--trainer.logger", "false"]
+    arguments += ["--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false"]
+    arguments += ["--model.lr", "0.05"]
+    cli = LightningCLI(Regression, trainer_class=Trainer, args=arguments, run=False, save_config_callback=None)
+    assert isinstance(cli.trainer, Trainer) and isinstance(cli.trainer.elastic, ElasticAccumulation)
+    assert (cli.trainer.max_epochs, cli.model.lr) == (1, 0.05)
+    cli.trainer.fit(cli.model, loader(10))
+    assert cli.trainer.global_step == 4
