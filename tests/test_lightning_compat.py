@@ -16,11 +16,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from _lightning_models import (
     Regression,
     loader,
     quiet_trainer_kwargs,
 )
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import elastic_batches as eb
 from elastic_batches.lightning import ElasticAccumulation, Trainer
@@ -41,6 +43,47 @@ def _auto(split: int = 1, **elastic: Any) -> Callable[..., pl.Trainer]:
 
 
 TRAINERS = {"plain": pl.Trainer, "auto": _auto(), "auto-split-2": _auto(2)}
+
+# -- self.log: Lightning's checks at the call -----------------------------------------------------
+
+
+class _LogChecks(Regression):
+    """Logs a value Lightning refuses, and records whether the refusal came inside the step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.refused: list[str] = []
+        self.logged_at_the_call: list[bool] = []
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        try:
+            self.log("two_values", torch.ones(2))
+        except ValueError as err:
+            self.refused.append(str(err))
+        self.logged_at_the_call.append("training_step.train_loss" in self.trainer._results)
+        return loss
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        try:
+            self.log("predicted", 1.0)
+        except MisconfigurationException as err:
+            self.refused.append(str(err))
+        return super().predict_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("name", list(TRAINERS), ids=list(TRAINERS))
+def test_self_log_checks_its_value_and_the_hook_at_the_call_inside_the_step(name: str) -> None:
+    model = _LogChecks()
+    trainer = TRAINERS[name](**quiet_trainer_kwargs(max_epochs=1, limit_train_batches=1))
+    trainer.fit(model, loader(10))
+    trainer.predict(model, loader(10), return_predictions=False)
+    microbatches = 2 if name == "auto-split-2" else 1
+    assert len(model.refused) == microbatches + 4 * microbatches
+    assert all("must have a single element" in message for message in model.refused[:microbatches])
+    assert all("predict" in message for message in model.refused[microbatches:])
+    assert model.logged_at_the_call == ([False, False] if name == "auto-split-2" else [True])  # split: combined later
+
 
 # -- the Trainer's signature ------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def elastic_evaluation_hook(
                 recorder.start_attempt()
                 ran.clear()
             ran.append(mb)
-            with recorder.capture(mb.weight):
+            with recorder.capture(mb.weight, split=mb.count > 1):
                 return original(mb.unwrap(), *args, **kwargs)
 
         outputs = step.evaluate(batch, fn, unwrap=False)

@@ -183,7 +183,7 @@ class ElasticOptimization(_AutomaticOptimization):
                 microbatch_hooks[0](mb)
             arguments = list(values)
             arguments[batch_position] = mb.unwrap()
-            with recorder.capture(mb.weight):
+            with recorder.capture(mb.weight, split=mb.count > 1):
                 output = call._call_strategy_hook(trainer, "training_step", *arguments)
             trainer.strategy.post_training_step()
             result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
