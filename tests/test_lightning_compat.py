@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,9 +20,13 @@ import pytest
 import torch
 from _lightning_models import (
     Regression,
+    assert_same_parameters,
+    fit,
     loader,
+    parameters_of,
     quiet_trainer_kwargs,
 )
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import elastic_batches as eb
@@ -83,6 +88,53 @@ def test_self_log_checks_its_value_and_the_hook_at_the_call_inside_the_step(name
     assert all("must have a single element" in message for message in model.refused[:microbatches])
     assert all("predict" in message for message in model.refused[microbatches:])
     assert model.logged_at_the_call == ([False, False] if name == "auto-split-2" else [True])  # split: combined later
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def _keys(tree: Any, prefix: str = "") -> set[str]:
+    if not isinstance(tree, dict):
+        return {prefix}
+    return {key for k, v in tree.items() for key in _keys(v, f"{prefix}/{k}")} or {prefix}
+
+
+def _checkpoint(factory: Callable[..., pl.Trainer], path: Path, model: pl.LightningModule, epochs: int) -> None:
+    """Fit for ``epochs`` with a ``ModelCheckpoint`` that writes ``path`` at each epoch's end (during the fit)."""
+    checkpoint = ModelCheckpoint(dirpath=path.parent, filename=path.stem)
+    fit(factory, model, loader(10), max_epochs=epochs, enable_checkpointing=True, callbacks=[checkpoint])
+
+
+def test_a_checkpoint_has_the_plain_trainers_keys_plus_the_callbacks_state(tmp_path: Path) -> None:
+    _checkpoint(pl.Trainer, tmp_path / "plain.ckpt", Regression(), 1)
+    _checkpoint(_auto(2), tmp_path / "auto.ckpt", Regression(), 1)
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=False)
+    auto = torch.load(tmp_path / "auto.ckpt", weights_only=False)
+    assert _keys({k: v for k, v in auto.items() if k != "callbacks"}) == _keys(
+        {k: v for k, v in plain.items() if k != "callbacks"}
+    )
+    assert auto["loops"] == plain["loops"]
+    assert set(auto["callbacks"]) == set(plain["callbacks"]) | {"ElasticAccumulation"}
+    restored = ElasticAccumulation()
+    restored.load_state_dict(auto["callbacks"]["ElasticAccumulation"])
+    assert restored.controllers["train"].split_count == 2
+
+
+@pytest.mark.parametrize("way", ["plain-into-auto", "auto-into-plain"])
+def test_checkpoints_resume_both_ways_as_an_uninterrupted_run(tmp_path: Path, way: str) -> None:
+    reference = Regression()
+    fit(pl.Trainer, reference, loader(10), max_epochs=4)
+    first, then = (pl.Trainer, _auto(2)) if way == "plain-into-auto" else (_auto(2), pl.Trainer)
+    _checkpoint(first, tmp_path / "half.ckpt", Regression(), 2)
+    resumed = Regression()
+    trainer = then(**quiet_trainer_kwargs(max_epochs=4))
+    if way == "auto-into-plain":  # Lightning's warning for any callback state the Trainer has no callback for
+        with pytest.warns(UserWarning, match="ElasticAccumulation"):
+            trainer.fit(resumed, loader(10), ckpt_path=tmp_path / "half.ckpt")
+    else:
+        trainer.fit(resumed, loader(10), ckpt_path=tmp_path / "half.ckpt")
+    assert trainer.global_step == 16
+    assert_same_parameters(parameters_of(resumed), parameters_of(reference), **EXACT)
 
 
 # -- the Trainer's signature ------------------------------------------------------------------------

@@ -11,6 +11,10 @@ gradient, the GradScaler's unscale/step/update, the optimizer step, lr scheduler
 optimizer step, one small collective tells every rank whether that part went through on every
 rank, so that an OOM in clipping or in the step on one rank raises on all of them; clipping by
 norm computes the norm as ``ElasticStep.optimizer_step`` does, with a vote before any rank steps.
+
+Lightning's ``_AutomaticOptimization`` loop itself stays in place (its state, checkpointed, is
+the plain Trainer's): :class:`ElasticOptimization` replaces two of its methods on the instance,
+``_make_closure`` and ``_optimizer_step``, and puts them back at ``teardown``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["ElasticClosure", "ElasticOptimization"]
 
 _WHERE = "the optimizer step (on_before_optimizer_step, gradient clipping or optimizer.step())"
+_ABSENT = object()
 
 
 class ElasticClosure(Closure):
@@ -59,28 +64,44 @@ class ElasticClosure(Closure):
         return result
 
 
-class ElasticOptimization(_AutomaticOptimization):
-    """Lightning's ``_AutomaticOptimization`` loop whose closure splits the batch.
+class ElasticOptimization:
+    """Puts the elastic closure into Lightning's ``_AutomaticOptimization`` loop (two methods, on the instance).
 
     Args:
         trainer: The trainer.
         elastic: The callback that owns the controllers and steps.
-        original: The loop it replaces; its progress counters are kept (they are checkpointed).
+        loop: ``trainer.fit_loop.epoch_loop.automatic_optimization``.
     """
 
-    def __init__(self, trainer: pl.Trainer, elastic: ElasticAccumulation, original: _AutomaticOptimization) -> None:
-        super().__init__(trainer)
-        self.optim_progress = original.optim_progress
-        self._skip_backward = original._skip_backward
-        self.original = original
+    def __init__(self, trainer: pl.Trainer, elastic: ElasticAccumulation, loop: _AutomaticOptimization) -> None:
+        self.trainer = trainer
         self.elastic = elastic
+        self.loop = loop
         self._norm_voted = False  # this optimizer step reached the gradient norm's vote
+        self._lightning = {name: getattr(loop, name) for name in ("_make_closure", "_optimizer_step")}
+        self._previous: dict[str, Any] = {}
+
+    def install(self) -> None:
+        """Replace the loop's ``_make_closure`` and ``_optimizer_step`` (instance attributes)."""
+        for name, method in (("_make_closure", self._make_closure), ("_optimizer_step", self._optimizer_step)):
+            self._previous[name] = self.loop.__dict__.get(name, _ABSENT)
+            self.loop.__dict__[name] = method
+
+    def uninstall(self) -> None:
+        """Give the loop its own methods back."""
+        for name, previous in self._previous.items():
+            if previous is _ABSENT:
+                self.loop.__dict__.pop(name, None)
+            else:
+                self.loop.__dict__[name] = previous
+        self._previous.clear()
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> Closure:
-        if self._skip_backward:
-            return super()._make_closure(kwargs, optimizer, batch_idx)
+        loop = self.loop
+        if loop._skip_backward:
+            return self._lightning["_make_closure"](kwargs, optimizer, batch_idx)
         step_fn = partial(self._elastic_training_step, kwargs, optimizer)
-        return ElasticClosure(step_fn, self._make_zero_grad_fn(batch_idx, optimizer))
+        return ElasticClosure(step_fn, loop._make_zero_grad_fn(batch_idx, optimizer))
 
     def _optimizer_step(self, batch_idx: int, train_step_and_backward_closure: Callable[[], Any]) -> None:
         """Lightning's optimizer step, then one small collective: every rank raises if it failed on any rank.
@@ -91,13 +112,14 @@ class ElasticOptimization(_AutomaticOptimization):
         collective; splitting cannot help there, so every rank raises ``ElasticOOMError``.
         """
         closure = train_step_and_backward_closure
+        optimizer_step = self._lightning["_optimizer_step"]
         if not isinstance(closure, ElasticClosure):
-            super()._optimizer_step(batch_idx, closure)
+            optimizer_step(batch_idx, closure)
             return
         status, error = OK, None
         self._norm_voted = False
         try:
-            super()._optimizer_step(batch_idx, closure)
+            optimizer_step(batch_idx, closure)
         except Exception as err:
             if not closure.finished:
                 raise  # from the microbatches: ElasticStep raised it on every rank already
