@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import elastic_batches as eb
-from elastic_batches.lightning import ElasticAccumulation, Trainer
+from elastic_batches.lightning import ElasticAccumulation, ElasticModule, Trainer
 
 EXACT = {"rtol": 1e-6, "atol": 1e-6}
 
@@ -48,6 +48,180 @@ def _auto(split: int = 1, **elastic: Any) -> Callable[..., pl.Trainer]:
 
 
 TRAINERS = {"plain": pl.Trainer, "auto": _auto(), "auto-split-2": _auto(2)}
+
+# -- hook order -----------------------------------------------------------------------------------
+
+_ORDERED = (
+    "on_train_batch_start",
+    "training_step",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "optimizer_step",
+    "on_train_batch_end",
+)
+
+
+class _HookCallback(pl.Callback):
+    def __init__(self, calls: list[tuple[str, str]]) -> None:
+        self.calls = calls
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.calls.append(("callback", "on_train_batch_start"))
+
+    def on_before_zero_grad(self, *args: Any) -> None:
+        self.calls.append(("callback", "on_before_zero_grad"))
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.calls.append(("callback", "on_before_backward"))
+
+    def on_after_backward(self, *args: Any) -> None:
+        self.calls.append(("callback", "on_after_backward"))
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.calls.append(("callback", "on_before_optimizer_step"))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.calls.append(("callback", "on_train_batch_end"))
+
+
+class _Hooked(Regression):
+    """Records every call of the hooks around a training batch, then runs Lightning's own."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[tuple[str, str]] = []
+        for name in _ORDERED:
+            setattr(self, name, self._recorded(name, getattr(self, name)))
+
+    def _recorded(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(("module", name))
+            return method(*args, **kwargs)
+
+        return recorded
+
+
+_SECOND_MICROBATCH = [
+    ("module", "training_step"),
+    ("callback", "on_before_backward"),
+    ("module", "on_before_backward"),
+    ("module", "backward"),
+    ("callback", "on_after_backward"),
+    ("module", "on_after_backward"),
+]
+
+
+def _with_a_second_microbatch(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The plain order with a second microbatch after the first one's backward: no second zero_grad."""
+    out = []
+    for call in calls:
+        out.append(call)
+        if call == ("module", "on_after_backward"):
+            out.extend(_SECOND_MICROBATCH)
+    return out
+
+
+def _hooked_fit(factory: Callable[..., pl.Trainer]) -> _Hooked:
+    model = _Hooked()
+    fit(factory, model, loader(10), max_epochs=1, limit_train_batches=2, callbacks=[_HookCallback(model.calls)])
+    return model
+
+
+def test_hook_order_is_the_plain_trainers_training_step_zero_grad_backward() -> None:
+    plain = _hooked_fit(pl.Trainer)
+    assert plain.calls[:6] == [
+        ("callback", "on_train_batch_start"),
+        ("module", "on_train_batch_start"),
+        ("module", "optimizer_step"),
+        ("module", "training_step"),
+        ("callback", "on_before_zero_grad"),
+        ("module", "on_before_zero_grad"),
+    ]
+    whole, split = _hooked_fit(_auto()), _hooked_fit(_auto(2))
+    assert whole.calls == plain.calls
+    assert split.calls == _with_a_second_microbatch(plain.calls)
+    assert_same_parameters(parameters_of(whole), parameters_of(plain), **EXACT)
+    assert_same_parameters(parameters_of(split), parameters_of(plain), **EXACT)
+
+
+class _RaisesOnSecondBatch(Regression):
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        if batch_idx == 1:
+            raise KeyError("raised by training_step")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("name", list(TRAINERS), ids=list(TRAINERS))
+def test_a_batch_whose_training_step_raises_is_neither_zeroed_nor_counted(name: str) -> None:
+    model = _RaisesOnSecondBatch()
+    trainer = TRAINERS[name](**quiet_trainer_kwargs(max_epochs=1))
+    with pytest.raises(KeyError, match="raised by training_step"):
+        trainer.fit(model, loader(10))
+    zero_grad = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+    assert (zero_grad.total.ready, zero_grad.total.completed) == (1, 1)
+    reference = Regression()  # the first batch's step, and its gradients still in .grad
+    fit(pl.Trainer, reference, loader(10), max_epochs=1, limit_train_batches=1)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, **EXACT)
+
+
+class _ZeroesToZeros(Regression):
+    """``optimizer_zero_grad`` that leaves zero tensors (``set_to_none=False``): backward accumulates into them."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize(
+    "oom", [{"phase": "forward", "calls": [0, 3]}, {"phase": "backward", "calls": [0, 3]}], ids=["forward", "backward"]
+)
+def test_zero_grad_in_the_first_microbatch_stays_exact_across_retries(oom: dict[str, Any]) -> None:
+    reference = _ZeroesToZeros()
+    fit(pl.Trainer, reference, loader(10))
+    model = _ZeroesToZeros(oom=oom)
+    trainer = fit(_auto(), model, loader(10))
+    assert trainer.elastic is not None and trainer.elastic.controllers["train"].retry_count == 2
+    assert_same_parameters(parameters_of(model), parameters_of(reference), **EXACT)
+
+
+# -- training_step returning None ---------------------------------------------------------------
+
+
+class _SkipsOddBatches(Regression):
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+@pytest.mark.parametrize("name", list(TRAINERS), ids=list(TRAINERS))
+def test_a_batch_whose_training_step_returns_none_is_skipped_as_lightning_skips_it(name: str) -> None:
+    reference = _SkipsOddBatches(optimizer="adam")
+    plain = fit(pl.Trainer, reference, loader(10))
+    model = _SkipsOddBatches(optimizer="adam")
+    trainer = fit(TRAINERS[name], model, loader(10))
+    assert trainer.global_step == plain.global_step == 8
+    assert_same_parameters(parameters_of(model), parameters_of(reference), **EXACT)
+
+
+class _NoneOnSecondMicrobatch(ElasticModule, Regression):
+    def on_train_microbatch_start(self, microbatch: eb.Microbatch) -> None:
+        self.microbatch_index = microbatch.index
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if self.microbatch_index == 1 else loss
+
+
+def test_some_microbatches_returning_none_and_others_a_loss_is_a_clear_error() -> None:
+    trainer = _auto(2)(**quiet_trainer_kwargs())
+    mix = r"returned None on microbatch\(es\) \[1\] and a loss on microbatch\(es\) \[0\]"
+    with pytest.raises(ValueError, match=mix):
+        trainer.fit(_NoneOnSecondMicrobatch(), loader(10))
+
 
 # -- self.log: Lightning's checks at the call -----------------------------------------------------
 

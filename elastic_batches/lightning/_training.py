@@ -1,16 +1,20 @@
 """Lightning's automatic optimization with the closure's forward and backward run by ``ElasticStep``.
 
 Lightning's closure runs ``training_step`` on the batch, zeroes the gradients and calls the
-strategy's ``backward``. Here the closure zeroes the gradients first, then hands the batch to
-:class:`elastic_batches.ElasticStep`, which calls the user's ``training_step`` on each
-microbatch (in the user's own structure, through the strategy, so autocast and DDP forward
-redirection apply) and backpropagates ``loss * weight`` through the strategy's ``backward``
-(precision plugin, ``on_before_backward`` / ``on_after_backward`` hooks). Everything after the
-closure stays Lightning's: ``on_before_optimizer_step``, gradient clipping on the accumulated
-gradient, the GradScaler's unscale/step/update, the optimizer step, lr schedulers. After the
-optimizer step, one small collective tells every rank whether that part went through on every
-rank, so that an OOM in clipping or in the step on one rank raises on all of them; clipping by
-norm computes the norm as ``ElasticStep.optimizer_step`` does, with a vote before any rank steps.
+strategy's ``backward``. Here the closure hands the batch to :class:`elastic_batches.ElasticStep`,
+which calls the user's ``training_step`` on each microbatch (in the user's own structure,
+through the strategy, so autocast and DDP forward redirection apply) and backpropagates
+``loss * weight`` through the strategy's ``backward`` (precision plugin, ``on_before_backward`` /
+``on_after_backward`` hooks). The order of each microbatch is Lightning's: ``training_step``,
+then (after the first one only) ``zero_grad``, then ``backward`` (see ``_zero_grad.py``). A batch
+whose every microbatch returns ``None`` is skipped as Lightning skips it.
+
+Everything after the closure stays Lightning's: ``on_before_optimizer_step``, gradient clipping
+on the accumulated gradient, the GradScaler's unscale/step/update, the optimizer step, lr
+schedulers. After the optimizer step, one small collective tells every rank whether that part
+went through on every rank, so that an OOM in clipping or in the step on one rank raises on all
+of them; clipping by norm computes the norm as ``ElasticStep.optimizer_step`` does, with a vote
+before any rank steps.
 
 Lightning's ``_AutomaticOptimization`` loop itself stays in place (its state, checkpointed, is
 the plain Trainer's): :class:`ElasticOptimization` replaces two of its methods on the instance,
@@ -34,6 +38,7 @@ from elastic_batches.batch import Microbatch
 from elastic_batches.controller import ElasticOOMError
 from elastic_batches.distributed import ERROR, OK, OOM
 from elastic_batches.lightning._outputs import combine_outputs
+from elastic_batches.lightning._zero_grad import ZeroGradAfterFirstStep
 from elastic_batches.oom import is_oom_error
 from elastic_batches.step import _raise_if_failed
 
@@ -46,20 +51,21 @@ __all__ = ["ElasticClosure", "ElasticOptimization"]
 
 _WHERE = "the optimizer step (on_before_optimizer_step, gradient clipping or optimizer.step())"
 _ABSENT = object()
+_SKIPPED = "`training_step` returned `None`. If this was on purpose, ignore this warning..."  # Lightning's words
 
 
 class ElasticClosure(Closure):
-    """Zero the gradients, then run forward and backward of every microbatch (``step_fn`` does both)."""
+    """Runs ``step_fn``, which does ``training_step``, ``zero_grad`` and ``backward`` of every microbatch."""
 
-    def __init__(self, step_fn: Callable[[], ClosureResult], zero_grad_fn: Callable[[], None] | None) -> None:
-        super().__init__(step_fn=step_fn, backward_fn=None, zero_grad_fn=zero_grad_fn)
+    def __init__(self, step_fn: Callable[[], ClosureResult]) -> None:
+        super().__init__(step_fn=step_fn, backward_fn=None, zero_grad_fn=None)
         self.finished = False  # the microbatches ran (what fails after this may fail on one rank only)
 
     @torch.enable_grad()
     def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
-        if self._zero_grad_fn is not None:
-            self._zero_grad_fn()
         result = self._step_fn()
+        if result.closure_loss is None:
+            self.warning_cache.warn(_SKIPPED)
         self.finished = True
         return result
 
@@ -97,11 +103,16 @@ class ElasticOptimization:
         self._previous.clear()
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> Closure:
-        loop = self.loop
+        loop, module = self.loop, self.trainer.lightning_module
         if loop._skip_backward:
             return self._lightning["_make_closure"](kwargs, optimizer, batch_idx)
-        step_fn = partial(self._elastic_training_step, kwargs, optimizer)
-        return ElasticClosure(step_fn, loop._make_zero_grad_fn(batch_idx, optimizer))
+        if "batch" not in kwargs:
+            raise ValueError(
+                f"{type(module).__name__}.training_step takes a dataloader_iter: accumulate_grad_batches='auto' needs "
+                "training_step(batch, batch_idx), whose batch it can split"
+            )
+        zero_grad_fn = loop._make_zero_grad_fn(batch_idx, optimizer)
+        return ElasticClosure(partial(self._training_step, kwargs, optimizer, zero_grad_fn))
 
     def _optimizer_step(self, batch_idx: int, train_step_and_backward_closure: Callable[[], Any]) -> None:
         """Lightning's optimizer step, then one small collective: every rank raises if it failed on any rank.
@@ -175,32 +186,40 @@ class ElasticOptimization:
 
         return clip_grad_by_norm
 
-    def _elastic_training_step(self, kwargs: OrderedDict, optimizer: Optimizer) -> ClosureResult:
+    def _training_step(
+        self,
+        kwargs: OrderedDict,
+        optimizer: Optimizer,
+        zero_grad_fn: Callable[[], None] | None,
+    ) -> ClosureResult:
         trainer = self.trainer
         module = trainer.lightning_module
         elastic = self.elastic
-        names = list(kwargs)
         values = list(kwargs.values())
-        if "batch" not in names:
-            raise ValueError(
-                f"{type(module).__name__}.training_step takes a dataloader_iter: accumulate_grad_batches='auto' needs "
-                "training_step(batch, batch_idx), whose batch it can split"
-            )
-        batch_position = names.index("batch")
+        batch_position = list(kwargs).index("batch")
+        skip_backward = False  # the microbatch returned None: Lightning calls no backward for it
 
         def backward_fn(loss: torch.Tensor) -> None:
-            call._call_strategy_hook(trainer, "backward", loss, optimizer)
+            if not skip_backward:
+                call._call_strategy_hook(trainer, "backward", loss, optimizer)
 
         step = elastic.step_for("train", backward_fn=backward_fn)
         recorder = elastic.recorder_for(module)
         recorder.start_batch()
-        results: list[tuple[Microbatch, dict[str, Any]]] = []
+        ran: list[Microbatch] = []  # the microbatches of the attempt
+        results: list[tuple[Microbatch, dict[str, Any]]] = []  # those that returned a loss, with their extras
+        skipped: list[int] = []  # those whose training_step returned None
         microbatch_hooks = elastic.microbatch_hooks(module)
+        zero_grad = None if zero_grad_fn is None else ZeroGradAfterFirstStep(list(module.parameters()), zero_grad_fn)
 
         def loss_fn(mb: Microbatch) -> torch.Tensor:
+            nonlocal skip_backward
             if mb.index == 0:
                 recorder.start_attempt()
+                ran.clear()
                 results.clear()
+                skipped.clear()
+            ran.append(mb)
             if microbatch_hooks is not None:
                 microbatch_hooks[0](mb)
             arguments = list(values)
@@ -208,21 +227,45 @@ class ElasticOptimization:
             with recorder.capture(mb.weight, split=mb.count > 1):
                 output = call._call_strategy_hook(trainer, "training_step", *arguments)
             trainer.strategy.post_training_step()
-            result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
-            if result.closure_loss is None:
-                raise ValueError(
-                    "training_step returned None on a microbatch: skipping a batch is not supported with "
-                    "accumulate_grad_batches='auto'. Return a loss (for instance loss * 0 to make the step a no-op)"
+            if output is None and trainer.world_size > 1:
+                raise RuntimeError(  # Lightning's words
+                    "Skipping the `training_step` by returning None in distributed training is not supported."
+                    " It is recommended that you rewrite your training logic to avoid having to skip the step in the"
+                    " first place."
                 )
-            results.append((mb, result.extra))
+            result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
+            if zero_grad is not None:
+                zero_grad()
+            skip_backward = result.closure_loss is None
+            if skip_backward:
+                skipped.append(mb.index)
+            else:
+                results.append((mb, result.extra))
+            if skipped and results:
+                raise ValueError(
+                    f"{type(module).__name__}.training_step returned None on microbatch(es) {skipped} and a loss on "
+                    f"microbatch(es) {[r.index for r, _ in results]} of the same batch, split into {mb.count}: "
+                    "Lightning skips a batch whose training_step returns None, and a split batch can only be skipped "
+                    "whole. Return None for every row of a batch to skip (decide it from batch_idx, say), or a loss "
+                    "(loss * 0 makes the step a no-op)"
+                )
             if microbatch_hooks is not None:
                 microbatch_hooks[1](mb, output)
+            if skip_backward:
+                return torch.zeros(())  # weighted and summed by ElasticStep; no backward is called on it
+            assert result.closure_loss is not None
             return result.closure_loss
 
-        loss = step.backward(values[batch_position], loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
+        try:
+            loss = step.backward(values[batch_position], loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
+        finally:
+            if zero_grad is not None:
+                zero_grad.finish()
         recorder.replay()
-        count = results[0][0].count if results else 1
-        elastic.after_train_batch(trainer, module, count, max((len(mb) for mb, _ in results), default=0), step)
+        count = ran[0].count if ran else 1
+        elastic.after_train_batch(trainer, module, count, max((len(mb) for mb in ran), default=0), step)
+        if skipped:
+            return ClosureResult(None)
         extras = [extra for _, extra in results]
         extra = combine_outputs(extras, [mb.weight for mb, _ in results], [len(mb) for mb, _ in results])
         return ClosureResult(loss, extra=extra or {})
