@@ -28,6 +28,7 @@ from _lightning_models import (
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
 
 import elastic_batches as eb
 from elastic_batches.lightning import ElasticAccumulation, ElasticModule, Trainer
@@ -221,6 +222,72 @@ def test_some_microbatches_returning_none_and_others_a_loss_is_a_clear_error() -
     mix = r"returned None on microbatch\(es\) \[1\] and a loss on microbatch\(es\) \[0\]"
     with pytest.raises(ValueError, match=mix):
         trainer.fit(_NoneOnSecondMicrobatch(), loader(10))
+
+
+# -- batches that cannot be cut -------------------------------------------------------------------
+
+
+class _IndexedBatches(Regression):
+    """Batches that are an int, or a dict of an int and ``None``: the step looks its rows up itself."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        generator = torch.Generator().manual_seed(2)
+        self.x, self.y = torch.randn(4, 5, 4, generator=generator), torch.randn(4, 5, 1, generator=generator)
+
+    def _rows(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        index = batch if isinstance(batch, int) else batch["index"]
+        return self.x[index], self.y[index]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = self._rows(batch)
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = self._rows(batch)
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), batch_size=len(x))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(self._rows(batch)[0])
+
+
+def _indexed(kind: str) -> DataLoader:
+    if kind == "int":
+        return DataLoader(list(range(4)), batch_size=None)
+    return DataLoader(list(range(4)), batch_size=1, collate_fn=lambda samples: {"index": samples[0], "note": None})
+
+
+@pytest.mark.parametrize("kind", ["int", "dict-of-int-and-none"])
+def test_batches_that_cannot_be_cut_run_whole_at_split_one_in_every_stage(kind: str) -> None:
+    reference = _IndexedBatches()
+    plain = pl.Trainer(**quiet_trainer_kwargs())
+    plain.fit(reference, _indexed(kind), _indexed(kind))
+    want_val = plain.validate(reference, _indexed(kind), verbose=False)
+    want_predictions = plain.predict(reference, _indexed(kind))
+    model = _IndexedBatches()
+    trainer = _auto()(**quiet_trainer_kwargs())
+    trainer.fit(model, _indexed(kind), _indexed(kind))
+    assert_same_parameters(parameters_of(model), parameters_of(reference), rtol=0, atol=0)
+    assert trainer.validate(model, _indexed(kind), verbose=False) == want_val
+    for got, want in zip(trainer.predict(model, _indexed(kind)), want_predictions, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "predict"])
+def test_a_split_that_is_needed_refuses_a_batch_that_cannot_be_cut_naming_register_batch_type(stage: str) -> None:
+    trainer = _auto(2)(**quiet_trainer_kwargs())
+    run = {"fit": trainer.fit, "validate": trainer.validate, "predict": trainer.predict}[stage]
+    refused = r"split count is 2, but a batch of type int cannot be split.*register_batch_type"
+    with pytest.raises(TypeError, match=refused):
+        run(_IndexedBatches(), _indexed("int"))
+
+
+def test_an_oom_in_a_whole_batch_that_cannot_be_cut_names_register_batch_type() -> None:
+    model = _IndexedBatches(oom={"phase": "forward", "calls": [0]})
+    trainer = _auto()(**quiet_trainer_kwargs())
+    with pytest.raises(TypeError, match=r"ran out of memory on the whole batch.*register_batch_type") as caught:
+        trainer.fit(model, _indexed("int"))
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
 
 
 # -- self.log: Lightning's checks at the call -----------------------------------------------------

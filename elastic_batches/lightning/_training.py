@@ -7,7 +7,8 @@ through the strategy, so autocast and DDP forward redirection apply) and backpro
 ``loss * weight`` through the strategy's ``backward`` (precision plugin, ``on_before_backward`` /
 ``on_after_backward`` hooks). The order of each microbatch is Lightning's: ``training_step``,
 then (after the first one only) ``zero_grad``, then ``backward`` (see ``_zero_grad.py``). A batch
-whose every microbatch returns ``None`` is skipped as Lightning skips it.
+whose every microbatch returns ``None`` is skipped as Lightning skips it; a batch that cannot be
+cut runs through Lightning's own closure, whole (see ``_unsplittable.py``).
 
 Everything after the closure stays Lightning's: ``on_before_optimizer_step``, gradient clipping
 on the accumulated gradient, the GradScaler's unscale/step/update, the optimizer step, lr
@@ -34,10 +35,11 @@ from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResul
 from lightning.pytorch.trainer import call
 from torch.optim import Optimizer
 
-from elastic_batches.batch import Microbatch
+from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import ElasticOOMError
 from elastic_batches.distributed import ERROR, OK, OOM
 from elastic_batches.lightning._outputs import combine_outputs
+from elastic_batches.lightning._unsplittable import cannot_split, take_apart, user_batch
 from elastic_batches.lightning._zero_grad import ZeroGradAfterFirstStep
 from elastic_batches.oom import is_oom_error
 from elastic_batches.step import _raise_if_failed
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 
     from elastic_batches.lightning.callback import ElasticAccumulation
 
-__all__ = ["ElasticClosure", "ElasticOptimization"]
+__all__ = ["ElasticClosure", "ElasticOptimization", "WholeClosure"]
 
 _WHERE = "the optimizer step (on_before_optimizer_step, gradient clipping or optimizer.step())"
 _ABSENT = object()
@@ -68,6 +70,29 @@ class ElasticClosure(Closure):
             self.warning_cache.warn(_SKIPPED)
         self.finished = True
         return result
+
+
+class WholeClosure(Closure):
+    """Lightning's own closure, for a batch that cannot be cut: an OOM in it raises ``cannot_split``'s error.
+
+    Args:
+        where: The step, for the message.
+        batch: The batch, for the message.
+        why: What taking it apart raised (``None``: an empty batch, whose OOM passes unchanged).
+        **kwargs: ``Closure``'s ``step_fn``, ``backward_fn`` and ``zero_grad_fn``.
+    """
+
+    def __init__(self, where: str, batch: Any, why: Exception | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._where, self._batch, self._why = where, batch, why
+
+    def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
+        try:
+            return super().closure(*args, **kwargs)
+        except Exception as err:
+            if self._why is None or not is_oom_error(err):
+                raise
+            raise cannot_split(self._where, self._batch, self._why) from err
 
 
 class ElasticOptimization:
@@ -111,8 +136,24 @@ class ElasticOptimization:
                 f"{type(module).__name__}.training_step takes a dataloader_iter: accumulate_grad_batches='auto' needs "
                 "training_step(batch, batch_idx), whose batch it can split"
             )
+        batch, why = take_apart(kwargs["batch"])
         zero_grad_fn = loop._make_zero_grad_fn(batch_idx, optimizer)
-        return ElasticClosure(partial(self._training_step, kwargs, optimizer, zero_grad_fn))
+        if batch is None:
+            where = f"{type(module).__name__}.training_step"
+            whole = OrderedDict(kwargs)
+            whole["batch"] = user_batch(kwargs["batch"])
+            count = self.elastic.controllers["train"].split_count
+            if why is not None and count > 1:
+                raise cannot_split(where, whole["batch"], why, count=count)
+            return WholeClosure(
+                where,
+                whole["batch"],
+                why,
+                step_fn=loop._make_step_fn(whole),
+                backward_fn=loop._make_backward_fn(optimizer),
+                zero_grad_fn=zero_grad_fn,
+            )
+        return ElasticClosure(partial(self._training_step, kwargs, optimizer, batch, zero_grad_fn))
 
     def _optimizer_step(self, batch_idx: int, train_step_and_backward_closure: Callable[[], Any]) -> None:
         """Lightning's optimizer step, then one small collective: every rank raises if it failed on any rank.
@@ -190,6 +231,7 @@ class ElasticOptimization:
         self,
         kwargs: OrderedDict,
         optimizer: Optimizer,
+        batch: ElasticBatch,
         zero_grad_fn: Callable[[], None] | None,
     ) -> ClosureResult:
         trainer = self.trainer
@@ -257,7 +299,7 @@ class ElasticOptimization:
             return result.closure_loss
 
         try:
-            loss = step.backward(values[batch_position], loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
+            loss = step.backward(batch, loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
         finally:
             if zero_grad is not None:
                 zero_grad.finish()
