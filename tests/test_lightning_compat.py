@@ -189,6 +189,26 @@ def test_zero_grad_in_the_first_microbatch_stays_exact_across_retries(oom: dict[
     assert_same_parameters(parameters_of(model), parameters_of(reference), **EXACT)
 
 
+class _OneElementLoss(Regression):
+    """A loss of shape ``[1, 1]``: Lightning backpropagates any one-element tensor."""
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        return super().training_step(batch, batch_idx).reshape(1, 1)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batch_outputs.append(outputs["loss"].shape)
+
+
+@pytest.mark.parametrize("name", list(TRAINERS), ids=list(TRAINERS))
+def test_a_one_element_loss_that_is_not_a_scalar_trains_as_under_the_plain_trainer(name: str) -> None:
+    reference = _OneElementLoss()
+    fit(pl.Trainer, reference, loader(10))
+    model = _OneElementLoss()
+    fit(TRAINERS[name], model, loader(10))
+    assert model.batch_outputs == reference.batch_outputs == [torch.Size([1, 1])] * 8
+    assert_same_parameters(parameters_of(model), parameters_of(reference), **EXACT)
+
+
 # -- training_step returning None ---------------------------------------------------------------
 
 

@@ -251,6 +251,7 @@ class ElasticOptimization:
         ran: list[Microbatch] = []  # the microbatches of the attempt
         results: list[tuple[Microbatch, dict[str, Any]]] = []  # those that returned a loss, with their extras
         skipped: list[int] = []  # those whose training_step returned None
+        shapes: list[torch.Size] = []  # the shape of a one-element loss that is not a scalar
         microbatch_hooks = elastic.microbatch_hooks(module)
         zero_grad = None if zero_grad_fn is None else ZeroGradAfterFirstStep(list(module.parameters()), zero_grad_fn)
 
@@ -261,6 +262,7 @@ class ElasticOptimization:
                 ran.clear()
                 results.clear()
                 skipped.clear()
+                shapes.clear()
             ran.append(mb)
             if microbatch_hooks is not None:
                 microbatch_hooks[0](mb)
@@ -295,8 +297,12 @@ class ElasticOptimization:
                 microbatch_hooks[1](mb, output)
             if skip_backward:
                 return torch.zeros(())  # weighted and summed by ElasticStep; no backward is called on it
-            assert result.closure_loss is not None
-            return result.closure_loss
+            closure_loss = result.closure_loss
+            assert closure_loss is not None
+            if closure_loss.dim() and closure_loss.numel() == 1:  # Lightning takes a one-element loss of any shape
+                shapes.append(closure_loss.shape)
+                closure_loss = closure_loss.reshape(())
+            return closure_loss
 
         try:
             loss = step.backward(batch, loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
@@ -310,4 +316,4 @@ class ElasticOptimization:
             return ClosureResult(None)
         extras = [extra for _, extra in results]
         extra = combine_outputs(extras, [mb.weight for mb, _ in results], [len(mb) for mb, _ in results])
-        return ClosureResult(loss, extra=extra or {})
+        return ClosureResult(loss.reshape(shapes[0]) if shapes else loss, extra=extra or {})
