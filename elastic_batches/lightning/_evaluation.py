@@ -3,8 +3,9 @@
 The strategy's ``validation_step``, ``test_step`` and ``predict_step`` are replaced, on the
 strategy instance, by a function that runs the original on each microbatch (so the precision
 context and DDP forward redirection apply), retries the batch on OOM with the stage's own
-controller, logs each ``self.log`` name once with its full-batch value, and returns the
-microbatch outputs combined (predictions concatenated in row order).
+controller, logs each ``self.log`` name once with its full-batch value (straight through when
+the batch runs whole), and returns the microbatch outputs combined (predictions concatenated in
+row order). A batch that cannot be cut runs whole through the original (see ``_unsplittable.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from elastic_batches.batch import Microbatch
 from elastic_batches.lightning._outputs import combine_outputs
+from elastic_batches.lightning._unsplittable import cannot_split, take_apart, user_batch
+from elastic_batches.oom import is_oom_error
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,6 +42,9 @@ def elastic_evaluation_hook(
                 f"{type(module).__name__}.{hook} takes a dataloader_iter: ElasticAccumulation splits {hook}(batch, "
                 "batch_idx) only; pass ElasticAccumulation(split_evaluation=False) to leave evaluation whole"
             )
+        whole, why = take_apart(batch)
+        if whole is None:
+            return run_whole(user_batch(batch), why, *args, **kwargs)
         step = elastic.step_for(stage)
         recorder = elastic.recorder_for(module)
         recorder.start_batch()
@@ -49,17 +55,29 @@ def elastic_evaluation_hook(
                 recorder.start_attempt()
                 ran.clear()
             ran.append(mb)
-            with recorder.capture(mb.weight):
+            with recorder.capture(mb.weight, split=mb.count > 1):
                 return original(mb.unwrap(), *args, **kwargs)
 
         def combine(outputs: list[Any], microbatches: list[Microbatch]) -> Any:
             # inside the attempt: an OOM in concatenating the predictions is retried like one in the step
             return combine_outputs(outputs, [mb.weight for mb in microbatches], [len(mb) for mb in microbatches])
 
-        combined = step.evaluate(batch, fn, unwrap=False, combine=combine)
+        combined = step.evaluate(whole, fn, unwrap=False, combine=combine)
         recorder.replay()
         elastic.after_evaluation_batch(trainer, stage, len(ran))
         return combined
+
+    def run_whole(batch: Any, why: Exception | None, *args: Any, **kwargs: Any) -> Any:
+        where = f"{type(trainer.lightning_module).__name__}.{hook}"
+        count = elastic.controllers[stage].split_count
+        if why is not None and count > 1:
+            raise cannot_split(where, batch, why, count=count)
+        try:
+            return original(batch, *args, **kwargs)
+        except Exception as err:
+            if why is None or not is_oom_error(err):
+                raise
+            raise cannot_split(where, batch, why) from err
 
     elastic_step.__wrapped__ = original  # type: ignore[attr-defined]
     return elastic_step

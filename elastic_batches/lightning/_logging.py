@@ -1,8 +1,15 @@
-"""``self.log`` inside a split step: recorded per microbatch, logged once per batch with the full-batch value.
+"""``self.log`` inside a step that ``ElasticStep`` runs: straight through when whole, combined once when split.
 
-While a batch runs as microbatches, the module's ``log`` is replaced by a recorder (an instance
-attribute, removed afterwards). When the batch completes, each name is logged once, through the
-module's own ``log``, with the microbatch values combined:
+A batch that runs as one microbatch logs as under the plain Trainer: ``self.log`` is Lightning's,
+unchanged. Should that attempt run out of memory, what it logged is undone before the retry:
+each entry of the loop's result collection is saved before the attempt first updates it
+(copy-on-write, a shallow copy of a few attributes), and entries it created are removed.
+
+A batch split into microbatches has its values combined. ``self.log`` is still Lightning's own,
+so its checks (an invalid value, logging where Lightning forbids it, a torchmetrics metric that
+is not an attribute) raise at the call, inside the step; only the result collection's ``log``
+is replaced while the microbatch runs, by a recorder. When the batch completes, each name is
+logged once into the result collection with the microbatch values combined:
 
 * ``reduce_fx="mean"`` (the default): the weighted mean with the microbatches' weights (their
   share of rows, or of counted items); with ``batch_size=`` given on every call, weighted by
@@ -18,7 +25,6 @@ state of the module's ``torchmetrics`` metrics is restored to what it was before
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +40,6 @@ try:  # torchmetrics ships with Lightning, but it is an optional dependency of i
 except ImportError:  # pragma: no cover - exercised only without torchmetrics
     Metric = None  # type: ignore[assignment,misc]
 
-_LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -98,73 +103,104 @@ class _MetricStates:
 
 
 class LogRecorder:
-    """Records ``self.log`` calls of the microbatches of one batch, and logs their combination once.
+    """Lets the ``self.log`` calls of one batch's microbatches through, or records and combines them.
 
     Args:
-        module: The ``LightningModule`` whose ``log`` calls are recorded.
+        module: The ``LightningModule`` whose ``log`` calls are handled.
     """
 
     def __init__(self, module: LightningModule) -> None:
         self.module = module
-        self._records: dict[str, list[tuple[float, str | None, dict[str, Any]]]] = {}
+        self._records: dict[tuple[str, str], list[tuple[float, torch.Tensor | Any, dict[str, Any]]]] = {}
         self._weight = 1.0
         self._attempts = 0
         self._metrics = _MetricStates(module)
+        self._results: Any = None  # the loop's _ResultCollection; None where logging is refused (predict)
+        self._keys_before = 0  # entries of the result collection before the attempt
+        self._saved: dict[str, dict[str, Any]] = {}  # entry -> its attributes before the attempt updated it
 
     def start_batch(self) -> None:
         """Forget everything recorded; save the metric states the batch starts from."""
         self._records.clear()
         self._attempts = 0
+        self._saved.clear()
         self._metrics.save()
 
     def start_attempt(self) -> None:
-        """A new attempt at the batch starts: drop what a failed one recorded and restore the metrics."""
+        """A new attempt at the batch starts: undo what a failed one logged or recorded."""
         self._records.clear()
         if self._attempts:
             self._metrics.restore()
+            self._undo()
         self._attempts += 1
+        trainer = self.module._trainer
+        self._results = None if trainer is None else trainer._results
+        self._keys_before = 0 if self._results is None else len(self._results)
+
+    def _undo(self) -> None:
+        results = self._results
+        if results is None:
+            return
+        for key in list(results)[self._keys_before :]:  # entries the failed attempt created (a dict keeps order)
+            del results[key]
+        for key, attributes in self._saved.items():
+            if key in results:
+                results[key].__dict__.update(attributes)
+        self._saved.clear()
 
     @contextlib.contextmanager
-    def capture(self, weight: float) -> Iterator[None]:
-        """Record the module's ``log`` calls made inside the block, as those of a microbatch of this weight."""
+    def capture(self, weight: float, *, split: bool) -> Iterator[None]:
+        """Handle the module's ``log`` calls made inside the block, those of a microbatch of this weight.
+
+        Args:
+            weight: The microbatch's weight.
+            split: Whether the batch runs as several microbatches (record and combine) or whole
+                (log through, undoable).
+        """
+        results = self._results
+        if results is None:
+            yield  # Lightning's own log raises at the call where it refuses logging
+            return
         self._weight = weight
-        module = self.module
-        previous = module.__dict__.get("log")
-        module.__dict__["log"] = self._record
+        name, hook = ("log", self._record) if split else ("update_metrics", self._update)
+        previous = results.__dict__.get(name)
+        results.__dict__[name] = hook
         try:
             yield
         finally:
             if previous is None:
-                module.__dict__.pop("log", None)
+                results.__dict__.pop(name, None)
             else:
-                module.__dict__["log"] = previous
+                results.__dict__[name] = previous
 
-    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        bound = _LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs)
-        arguments = dict(bound.arguments)
-        del arguments["self"]
-        if not arguments.get("enable_graph", False):
-            arguments["value"] = _detached(value)
-        self._records.setdefault(name, []).append((self._weight, self.module._current_fx_name, arguments))
+    def _update(self, key: str, value: Any, batch_size: int) -> None:
+        """The result collection's ``update_metrics``, after saving the entry as it was before the attempt."""
+        results = self._results
+        if key not in self._saved:
+            self._saved[key] = dict(results[key].__dict__)
+        type(results).update_metrics(results, key, value, batch_size)
+
+    def _record(self, fx: str, name: str, value: Any, **kwargs: Any) -> None:
+        """The result collection's ``log``, called by ``LightningModule.log`` once its checks passed: recorded."""
+        if not kwargs.get("enable_graph", False):
+            value = _detached(value)
+        self._records.setdefault((fx, name), []).append((self._weight, value, kwargs))
 
     def replay(self) -> None:
-        """Log each recorded name once, with the combination of its microbatch values."""
-        module = self.module
-        previous_fx = module._current_fx_name
+        """Log each recorded name once into the result collection, with the combination of its microbatch values."""
+        results = self._results
         try:
-            for records in self._records.values():
-                arguments = dict(records[0][2])
-                values = [r[2]["value"] for r in records]
+            for (fx, name), records in self._records.items():
+                kwargs = dict(records[0][2])
+                values = [value for _, value, _ in records]
                 sizes = [int(r[2]["batch_size"]) for r in records if r[2].get("batch_size") is not None]
                 if len(sizes) == len(records):
                     weights = [float(size) for size in sizes]
                     if len(records) > 1:
-                        arguments["batch_size"] = sum(sizes)
+                        kwargs["batch_size"] = sum(sizes)
                 else:
-                    weights = [r[0] for r in records]
-                arguments["value"] = _combine_values(values, weights, arguments.get("reduce_fx", "mean"))
-                module._current_fx_name = records[0][1]
-                module.log(**arguments)
+                    weights = [weight for weight, _, _ in records]
+                combined = _combine_values(values, weights, kwargs.get("reduce_fx", "mean"))
+                results.log(fx, name, combined, **kwargs)
         finally:
-            module._current_fx_name = previous_fx
             self._records.clear()

@@ -1,16 +1,25 @@
 """Lightning's automatic optimization with the closure's forward and backward run by ``ElasticStep``.
 
 Lightning's closure runs ``training_step`` on the batch, zeroes the gradients and calls the
-strategy's ``backward``. Here the closure zeroes the gradients first, then hands the batch to
-:class:`elastic_batches.ElasticStep`, which calls the user's ``training_step`` on each
-microbatch (in the user's own structure, through the strategy, so autocast and DDP forward
-redirection apply) and backpropagates ``loss * weight`` through the strategy's ``backward``
-(precision plugin, ``on_before_backward`` / ``on_after_backward`` hooks). Everything after the
-closure stays Lightning's: ``on_before_optimizer_step``, gradient clipping on the accumulated
-gradient, the GradScaler's unscale/step/update, the optimizer step, lr schedulers. After the
-optimizer step, one small collective tells every rank whether that part went through on every
-rank, so that an OOM in clipping or in the step on one rank raises on all of them; clipping by
-norm computes the norm as ``ElasticStep.optimizer_step`` does, with a vote before any rank steps.
+strategy's ``backward``. Here the closure hands the batch to :class:`elastic_batches.ElasticStep`,
+which calls the user's ``training_step`` on each microbatch (in the user's own structure,
+through the strategy, so autocast and DDP forward redirection apply) and backpropagates
+``loss * weight`` through the strategy's ``backward`` (precision plugin, ``on_before_backward`` /
+``on_after_backward`` hooks). The order of each microbatch is Lightning's: ``training_step``,
+then (after the first one only) ``zero_grad``, then ``backward`` (see ``_zero_grad.py``). A batch
+whose every microbatch returns ``None`` is skipped as Lightning skips it; a batch that cannot be
+cut runs through Lightning's own closure, whole (see ``_unsplittable.py``).
+
+Everything after the closure stays Lightning's: ``on_before_optimizer_step``, gradient clipping
+on the accumulated gradient, the GradScaler's unscale/step/update, the optimizer step, lr
+schedulers. After the optimizer step, one small collective tells every rank whether that part
+went through on every rank, so that an OOM in clipping or in the step on one rank raises on all
+of them; clipping by norm computes the norm as ``ElasticStep.optimizer_step`` does, with a vote
+before any rank steps.
+
+Lightning's ``_AutomaticOptimization`` loop itself stays in place (its state, checkpointed, is
+the plain Trainer's): :class:`ElasticOptimization` replaces two of its methods on the instance,
+``_make_closure`` and ``_optimizer_step``, and puts them back at ``teardown``.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResul
 from lightning.pytorch.trainer import call
 from torch.optim import Optimizer
 
-from elastic_batches.batch import Microbatch
+from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.lightning._outputs import combine_outputs
-from elastic_batches.oom import ElasticOOMError, Status, status_of
+from elastic_batches.lightning._unsplittable import cannot_split, take_apart, user_batch
+from elastic_batches.lightning._zero_grad import ZeroGradAfterFirstStep
+from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, status_of
 from elastic_batches.step import _raise_if_failed
 
 if TYPE_CHECKING:
@@ -36,49 +47,111 @@ if TYPE_CHECKING:
 
     from elastic_batches.lightning.callback import ElasticAccumulation
 
-__all__ = ["ElasticClosure", "ElasticOptimization"]
+__all__ = ["ElasticClosure", "ElasticOptimization", "WholeClosure"]
 
 _WHERE = "the optimizer step (on_before_optimizer_step, gradient clipping or optimizer.step())"
+_ABSENT = object()
+_SKIPPED = "`training_step` returned `None`. If this was on purpose, ignore this warning..."  # Lightning's words
 
 
 class ElasticClosure(Closure):
-    """Zero the gradients, then run forward and backward of every microbatch (``step_fn`` does both)."""
+    """Runs ``step_fn``, which does ``training_step``, ``zero_grad`` and ``backward`` of every microbatch."""
 
-    def __init__(self, step_fn: Callable[[], ClosureResult], zero_grad_fn: Callable[[], None] | None) -> None:
-        super().__init__(step_fn=step_fn, backward_fn=None, zero_grad_fn=zero_grad_fn)
+    def __init__(self, step_fn: Callable[[], ClosureResult]) -> None:
+        super().__init__(step_fn=step_fn, backward_fn=None, zero_grad_fn=None)
         self.finished = False  # the microbatches ran (what fails after this may fail on one rank only)
 
     @torch.enable_grad()
     def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
-        if self._zero_grad_fn is not None:
-            self._zero_grad_fn()
         result = self._step_fn()
+        if result.closure_loss is None:
+            self.warning_cache.warn(_SKIPPED)
         self.finished = True
         return result
 
 
-class ElasticOptimization(_AutomaticOptimization):
-    """Lightning's ``_AutomaticOptimization`` loop whose closure splits the batch.
+class WholeClosure(Closure):
+    """Lightning's own closure, for a batch that cannot be cut: an OOM in it raises ``cannot_split``'s error.
+
+    Args:
+        where: The step, for the message.
+        batch: The batch, for the message.
+        why: What taking it apart raised (``None``: an empty batch, whose OOM passes unchanged).
+        **kwargs: ``Closure``'s ``step_fn``, ``backward_fn`` and ``zero_grad_fn``.
+    """
+
+    def __init__(self, where: str, batch: Any, why: Exception | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._where, self._batch, self._why = where, batch, why
+
+    def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
+        try:
+            return super().closure(*args, **kwargs)
+        except Exception as err:
+            if self._why is None or not is_oom_error(err):
+                raise
+            raise cannot_split(self._where, self._batch, self._why) from err
+
+
+class ElasticOptimization:
+    """Puts the elastic closure into Lightning's ``_AutomaticOptimization`` loop (two methods, on the instance).
 
     Args:
         trainer: The trainer.
         elastic: The callback that owns the controllers and steps.
-        original: The loop it replaces; its progress counters are kept (they are checkpointed).
+        loop: ``trainer.fit_loop.epoch_loop.automatic_optimization``.
     """
 
-    def __init__(self, trainer: pl.Trainer, elastic: ElasticAccumulation, original: _AutomaticOptimization) -> None:
-        super().__init__(trainer)
-        self.optim_progress = original.optim_progress
-        self._skip_backward = original._skip_backward
-        self.original = original
+    def __init__(self, trainer: pl.Trainer, elastic: ElasticAccumulation, loop: _AutomaticOptimization) -> None:
+        self.trainer = trainer
         self.elastic = elastic
+        self.loop = loop
         self._norm_voted = False  # this optimizer step reached the gradient norm's vote
+        self._lightning = {name: getattr(loop, name) for name in ("_make_closure", "_optimizer_step")}
+        self._previous: dict[str, Any] = {}
+
+    def install(self) -> None:
+        """Replace the loop's ``_make_closure`` and ``_optimizer_step`` (instance attributes)."""
+        for name, method in (("_make_closure", self._make_closure), ("_optimizer_step", self._optimizer_step)):
+            self._previous[name] = self.loop.__dict__.get(name, _ABSENT)
+            self.loop.__dict__[name] = method
+
+    def uninstall(self) -> None:
+        """Give the loop its own methods back."""
+        for name, previous in self._previous.items():
+            if previous is _ABSENT:
+                self.loop.__dict__.pop(name, None)
+            else:
+                self.loop.__dict__[name] = previous
+        self._previous.clear()
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> Closure:
-        if self._skip_backward:
-            return super()._make_closure(kwargs, optimizer, batch_idx)
-        step_fn = partial(self._elastic_training_step, kwargs, optimizer)
-        return ElasticClosure(step_fn, self._make_zero_grad_fn(batch_idx, optimizer))
+        loop, module = self.loop, self.trainer.lightning_module
+        if loop._skip_backward:
+            return self._lightning["_make_closure"](kwargs, optimizer, batch_idx)
+        if "batch" not in kwargs:
+            raise ValueError(
+                f"{type(module).__name__}.training_step takes a dataloader_iter: accumulate_grad_batches='auto' needs "
+                "training_step(batch, batch_idx), whose batch it can split"
+            )
+        batch, why = take_apart(kwargs["batch"])
+        zero_grad_fn = loop._make_zero_grad_fn(batch_idx, optimizer)
+        if batch is None:
+            where = f"{type(module).__name__}.training_step"
+            whole = OrderedDict(kwargs)
+            whole["batch"] = user_batch(kwargs["batch"])
+            count = self.elastic.controllers["train"].split_count
+            if why is not None and count > 1:
+                raise cannot_split(where, whole["batch"], why, count=count)
+            return WholeClosure(
+                where,
+                whole["batch"],
+                why,
+                step_fn=loop._make_step_fn(whole),
+                backward_fn=loop._make_backward_fn(optimizer),
+                zero_grad_fn=zero_grad_fn,
+            )
+        return ElasticClosure(partial(self._training_step, kwargs, optimizer, batch, zero_grad_fn))
 
     def _optimizer_step(self, batch_idx: int, train_step_and_backward_closure: Callable[[], Any]) -> None:
         """Lightning's optimizer step, then one small collective: every rank raises if it failed on any rank.
@@ -89,13 +162,14 @@ class ElasticOptimization(_AutomaticOptimization):
         collective; splitting cannot help there, so every rank raises ``ElasticOOMError``.
         """
         closure = train_step_and_backward_closure
+        optimizer_step = self._lightning["_optimizer_step"]
         if not isinstance(closure, ElasticClosure):
-            super()._optimizer_step(batch_idx, closure)
+            optimizer_step(batch_idx, closure)
             return
         status, error = Status.OK, None
         self._norm_voted = False
         try:
-            super()._optimizer_step(batch_idx, closure)
+            optimizer_step(batch_idx, closure)
         except Exception as err:
             if not closure.finished:
                 raise  # from the microbatches: ElasticStep raised it on every rank already
@@ -151,54 +225,93 @@ class ElasticOptimization(_AutomaticOptimization):
 
         return clip_grad_by_norm
 
-    def _elastic_training_step(self, kwargs: OrderedDict, optimizer: Optimizer) -> ClosureResult:
+    def _training_step(
+        self,
+        kwargs: OrderedDict,
+        optimizer: Optimizer,
+        batch: ElasticBatch,
+        zero_grad_fn: Callable[[], None] | None,
+    ) -> ClosureResult:
         trainer = self.trainer
         module = trainer.lightning_module
         elastic = self.elastic
-        names = list(kwargs)
         values = list(kwargs.values())
-        if "batch" not in names:
-            raise ValueError(
-                f"{type(module).__name__}.training_step takes a dataloader_iter: accumulate_grad_batches='auto' needs "
-                "training_step(batch, batch_idx), whose batch it can split"
-            )
-        batch_position = names.index("batch")
+        batch_position = list(kwargs).index("batch")
+        skip_backward = False  # the microbatch returned None: Lightning calls no backward for it
 
         def backward_fn(loss: torch.Tensor) -> None:
-            call._call_strategy_hook(trainer, "backward", loss, optimizer)
+            if not skip_backward:
+                call._call_strategy_hook(trainer, "backward", loss, optimizer)
 
         step = elastic.step_for("train", backward_fn=backward_fn)
         recorder = elastic.recorder_for(module)
         recorder.start_batch()
-        results: list[tuple[Microbatch, dict[str, Any]]] = []
+        ran: list[Microbatch] = []  # the microbatches of the attempt
+        results: list[tuple[Microbatch, dict[str, Any]]] = []  # those that returned a loss, with their extras
+        skipped: list[int] = []  # those whose training_step returned None
+        shapes: list[torch.Size] = []  # the shape of a one-element loss that is not a scalar
         microbatch_hooks = elastic.microbatch_hooks(module)
+        zero_grad = None if zero_grad_fn is None else ZeroGradAfterFirstStep(list(module.parameters()), zero_grad_fn)
 
         def loss_fn(mb: Microbatch) -> torch.Tensor:
+            nonlocal skip_backward
             if mb.index == 0:
                 recorder.start_attempt()
+                ran.clear()
                 results.clear()
+                skipped.clear()
+                shapes.clear()
+            ran.append(mb)
             if microbatch_hooks is not None:
                 microbatch_hooks[0](mb)
             arguments = list(values)
             arguments[batch_position] = mb.unwrap()
-            with recorder.capture(mb.weight):
+            with recorder.capture(mb.weight, split=mb.count > 1):
                 output = call._call_strategy_hook(trainer, "training_step", *arguments)
             trainer.strategy.post_training_step()
-            result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
-            if result.closure_loss is None:
-                raise ValueError(
-                    "training_step returned None on a microbatch: skipping a batch is not supported with "
-                    "accumulate_grad_batches='auto'. Return a loss (for instance loss * 0 to make the step a no-op)"
+            if output is None and trainer.world_size > 1:
+                raise RuntimeError(  # Lightning's words
+                    "Skipping the `training_step` by returning None in distributed training is not supported."
+                    " It is recommended that you rewrite your training logic to avoid having to skip the step in the"
+                    " first place."
                 )
-            results.append((mb, result.extra))
+            result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
+            if zero_grad is not None:
+                zero_grad()
+            skip_backward = result.closure_loss is None
+            if skip_backward:
+                skipped.append(mb.index)
+            else:
+                results.append((mb, result.extra))
+            if skipped and results:
+                raise ValueError(
+                    f"{type(module).__name__}.training_step returned None on microbatch(es) {skipped} and a loss on "
+                    f"microbatch(es) {[r.index for r, _ in results]} of the same batch, split into {mb.count}: "
+                    "Lightning skips a batch whose training_step returns None, and a split batch can only be skipped "
+                    "whole. Return None for every row of a batch to skip (decide it from batch_idx, say), or a loss "
+                    "(loss * 0 makes the step a no-op)"
+                )
             if microbatch_hooks is not None:
                 microbatch_hooks[1](mb, output)
-            return result.closure_loss
+            if skip_backward:
+                return torch.zeros(())  # weighted and summed by ElasticStep; no backward is called on it
+            closure_loss = result.closure_loss
+            assert closure_loss is not None
+            if closure_loss.dim() and closure_loss.numel() == 1:  # Lightning takes a one-element loss of any shape
+                shapes.append(closure_loss.shape)
+                closure_loss = closure_loss.reshape(())
+            return closure_loss
 
-        loss = step.backward(values[batch_position], loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
+        try:
+            loss = step.backward(batch, loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
+        finally:
+            if zero_grad is not None:
+                zero_grad.finish()
         recorder.replay()
-        count = results[0][0].count if results else 1
-        elastic.after_train_batch(trainer, module, count, max((len(mb) for mb, _ in results), default=0), step)
+        count = ran[0].count if ran else 1
+        elastic.after_train_batch(trainer, module, count, max((len(mb) for mb in ran), default=0), step)
+        if skipped:
+            return ClosureResult(None)
         extras = [extra for _, extra in results]
         extra = combine_outputs(extras, [mb.weight for mb, _ in results], [len(mb) for mb, _ in results])
-        return ClosureResult(loss, extra=extra or {})
+        return ClosureResult(loss.reshape(shapes[0]) if shapes else loss, extra=extra or {})

@@ -131,7 +131,7 @@ class ElasticAccumulation(Callback):
         self._recorder: LogRecorder | None = None
         self._last_counts = dict.fromkeys(STAGES, 1)
         self._train_metrics: dict[str, float] | None = None
-        self._installed: tuple[Trainer, Any] | None = None
+        self._installed: tuple[Trainer, ElasticOptimization] | None = None
 
     @staticmethod
     def find(trainer: Trainer | None) -> ElasticAccumulation | None:
@@ -189,27 +189,29 @@ class ElasticAccumulation(Callback):
         self._steps.clear()
         self._recorder = None
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A run that raised ends without ``teardown``: take the elastic steps out all the same."""
+        self.teardown(trainer, pl_module, "")
+
     def _install(self, trainer: Trainer) -> None:
         if self._installed is not None and self._installed[0] is trainer:
             return
         self._uninstall()
-        epoch_loop = trainer.fit_loop.epoch_loop
-        original = epoch_loop.automatic_optimization
-        optimization = ElasticOptimization(trainer, self, original)
-        epoch_loop.automatic_optimization = optimization
+        optimization = ElasticOptimization(trainer, self, trainer.fit_loop.epoch_loop.automatic_optimization)
+        optimization.install()
         strategy = trainer.strategy
         precision = strategy.precision_plugin
         precision.__dict__["clip_grad_by_norm"] = optimization.agreed_clip_grad_by_norm(precision.clip_grad_by_norm)
         if self.split_evaluation:
             for hook in STAGE_OF_HOOK:
                 strategy.__dict__[hook] = elastic_evaluation_hook(trainer, self, hook, getattr(strategy, hook))
-        self._installed = (trainer, original)
+        self._installed = (trainer, optimization)
 
     def _uninstall(self) -> None:
         if self._installed is None:
             return
-        trainer, original = self._installed
-        trainer.fit_loop.epoch_loop.automatic_optimization = original
+        trainer, optimization = self._installed
+        optimization.uninstall()
         trainer.strategy.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
         for hook in STAGE_OF_HOOK:
             trainer.strategy.__dict__.pop(hook, None)
