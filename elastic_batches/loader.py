@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -337,7 +338,9 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         self.pad_values = arguments["collate_fn"].pad_values
         self.sort_by_length = arguments["collate_fn"].sort_by_length
         self.shape_buckets = shape_buckets
-        super().__init__(**arguments)
+        with warnings.catch_warnings():  # torchdata's constructor calls torch.set_vital, deprecated in torch 2.13
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            super().__init__(**arguments)
         if type(self.batch_sampler) is StatefulBatchSampler:  # built just now from batch_size; not settable after
             self.batch_sampler.__class__ = _BatchSampler
 

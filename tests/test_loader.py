@@ -6,6 +6,7 @@ import copy
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -442,6 +443,30 @@ def test_wraps_a_dataloader_subclass_that_only_sets_arguments() -> None:
 def test_refuses_a_dataloader_subclass_with_its_own_iteration_naming_the_method(cls: type, method: str) -> None:
     with pytest.raises(TypeError, match=rf"cannot wrap a {cls.__name__}: it defines {method}, its own iteration"):
         eb.MicrobatchingDataLoader(cls(_dataset()))
+
+
+def test_construction_prints_no_set_vital_deprecation() -> None:
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eb.MicrobatchingDataLoader(_dataset(), batch_size=4)
+        eb.MicrobatchingDataLoader(DataLoader(_dataset(), batch_size=4, shuffle=True))
+    assert [str(w.message) for w in caught] == []
+    assert warnings.filters == filters  # a filter around torchdata's call, not a global one
+
+
+def test_other_warnings_of_the_construction_still_show(monkeypatch: pytest.MonkeyPatch) -> None:
+    def set_vital(*args: Any) -> None:
+        warnings.warn("'set_vital' is deprecated, please do not call", UserWarning, stacklevel=2)
+        warnings.warn("another warning raised while the loader is built", UserWarning, stacklevel=2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading the old torch.set_vital warns too
+        monkeypatch.setattr(torch, "set_vital", set_vital)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eb.MicrobatchingDataLoader(_dataset(), batch_size=4)
+    assert [str(w.message) for w in caught] == ["another warning raised while the loader is built"]
 
 
 def test_refuses_a_controller_that_is_not_a_split_controller() -> None:
