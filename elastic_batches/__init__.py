@@ -8,6 +8,7 @@ from elastic_batches.controller import ElasticOOMError, SettledSplit, SplitContr
 from elastic_batches.loader import MicrobatchingDataLoader
 from elastic_batches.oom import is_oom_error
 from elastic_batches.padding import Padding
+from elastic_batches.pyg import register_pyg_batch
 from elastic_batches.step import ElasticStep
 from elastic_batches.structures import register_batch_type
 
@@ -26,4 +27,5 @@ __all__ = [
     "is_oom_error",
     "register_batch_type",
     "register_collate",
+    "register_pyg_batch",
 ]
