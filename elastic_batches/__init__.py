@@ -1,5 +1,6 @@
 """elastic_batches: automatic gradient accumulation that survives out-of-memory errors."""
 
+from elastic_batches._version import __version__ as __version__
 from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.buckets import ShapeBuckets

@@ -88,21 +88,8 @@ def test_config_rejects_bad_values(field: str, value: object, match: str) -> Non
 def test_module_entry_point_runs_the_demo(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--steps", "1", "--batch-size", "8", "--seq-len", "8", "--dim", "16", "--layers", "1", "--quiet"]
     monkeypatch.setattr(sys, "argv", ["python -m elastic_batches", "demo", *args])
+    monkeypatch.delitem(sys.modules, "elastic_batches.__main__", raising=False)  # runpy runs it afresh
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("elastic_batches", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
     assert "AGREE" in capsys.readouterr().out
-
-
-def test_module_entry_point_rejects_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
-    from elastic_batches.__main__ import main
-
-    assert main(["train"]) == 2
-    assert "usage: python -m elastic_batches {demo,bench}" in capsys.readouterr().err
-
-
-def test_bench_command_names_a_missing_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
-    from elastic_batches.__main__ import main
-
-    assert main(["bench", "no_such_benchmark"]) == 2
-    assert "no benchmark script matches ['no_such_benchmark']" in capsys.readouterr().err
