@@ -1,6 +1,6 @@
 """Simulated device memory and OOM injection, for testing elastic batching on a CPU.
 
-Both tools raise the real :class:`torch.OutOfMemoryError`, so the code under test takes the
+The first two raise the real :class:`torch.OutOfMemoryError`, so the code under test takes the
 same path it takes on a GPU:
 
 * :class:`MemoryBudget` counts the bytes of the tensor storages that ops allocate while it is
@@ -10,11 +10,23 @@ same path it takes on a GPU:
 * :func:`inject_oom`, :func:`inject_oom_in_optimizer` and :func:`inject_oom_in_transfer` raise
   at an exact, chosen point: a forward call, the backward of a forward call, an optimizer step
   or the device transfer of a microbatch, optionally on one ``torch.distributed`` rank only.
+* :class:`AddressSpaceLimit` makes the real CPU allocator refuse (Linux): a limit on the
+  process's address space, under which torch raises its own ``DefaultCPUAllocator: can't
+  allocate memory``.
 
 See ``docs/testing.md`` for a walk-through.
 """
 
+from elastic_batches.testing.address_space import AddressSpaceLimit, address_space_bytes
 from elastic_batches.testing.injection import OOMInjection, inject_oom, inject_oom_in_optimizer, inject_oom_in_transfer
 from elastic_batches.testing.memory import MemoryBudget
 
-__all__ = ["MemoryBudget", "OOMInjection", "inject_oom", "inject_oom_in_optimizer", "inject_oom_in_transfer"]
+__all__ = [
+    "AddressSpaceLimit",
+    "MemoryBudget",
+    "OOMInjection",
+    "address_space_bytes",
+    "inject_oom",
+    "inject_oom_in_optimizer",
+    "inject_oom_in_transfer",
+]
