@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -93,3 +96,14 @@ def test_module_entry_point_runs_the_demo(monkeypatch: pytest.MonkeyPatch, capsy
         runpy.run_module("elastic_batches", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
     assert "AGREE" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is enforced on Linux")
+def test_demo_under_a_real_address_space_limit_splits_on_the_allocators_ooms_and_agrees() -> None:
+    command = [sys.executable, "-m", "elastic_batches", "demo", "--real-allocator", "--steps", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # in a process of its own: the limit is the whole process's
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "address space limit" in result.stdout and "real CPU allocator" in result.stdout
+    ooms = int(re.search(r"OOMs caught and retried : (\d+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert ooms >= 1 and ": AGREE" in result.stdout
