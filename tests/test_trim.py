@@ -185,3 +185,10 @@ def test_a_batch_that_cannot_be_trimmed_names_the_field(kwargs: dict[str, Any], 
 def test_bad_arguments_are_named(args: tuple[Any, ...], kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         eb.TrimPadding(*args, **kwargs)
+
+
+def test_pad_values_on_the_loader_and_trim_padding_are_one_too_many() -> None:
+    with pytest.raises(ValueError, match=r"give one of them \(TrimPadding\(collate_fn, pad_values=\.\.\.\)"):
+        eb.MicrobatchingDataLoader(
+            samples(), batch_size=2, collate_fn=eb.TrimPadding(pad_collate), pad_values={"ids": 0}
+        )
