@@ -23,7 +23,8 @@ _FOLLOW_BATCH = "follow_batch"
 def _graphs_of(batch: Any) -> dict[str, Any]:
     """A PyG ``Batch`` as its graphs and the attributes ``follow_batch`` gave a batch vector."""
     keys = set(batch.keys())
-    follow = tuple(key for key in batch._slice_dict if f"{key}_batch" in keys)
+    sliced = getattr(batch, "_slice_dict", None) or {}  # to_data_list says it when a batch has none
+    follow = tuple(key for key in sliced if f"{key}_batch" in keys)
     return {_GRAPHS: batch.to_data_list(), _FOLLOW_BATCH: follow}
 
 
