@@ -156,7 +156,7 @@ def first_batch(collator: Any, samples: list[dict[str, Any]], **kwargs: Any) -> 
 # -- exact gradients ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 5, 16], ids=lambda c: f"count{c}")
+@pytest.mark.parametrize("count", [1, 3, 16], ids=lambda c: f"count{c}")  # whole, uneven pieces, a row each
 @pytest.mark.parametrize("name", CLIENTS)
 def test_gradient_equals_the_full_batch_at_any_split(tokenizer: Any, name: str, count: int) -> None:
     model, collator, samples, count_fn = client(name, tokenizer)
