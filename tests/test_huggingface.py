@@ -147,9 +147,11 @@ def tokenizer() -> Any:
     return make_tokenizer()
 
 
-def first_batch(collator: Any, samples: list[dict[str, Any]], **kwargs: Any) -> eb.ElasticBatch:
+def first_batch(collator: Any, samples: list[dict[str, Any]], controller: eb.SplitController) -> eb.ElasticBatch:
+    """The loader's first batch; the loader shares the step's controller, as in training."""
     torch.manual_seed(1)  # the masks DataCollatorForLanguageModeling draws
-    loader = eb.MicrobatchingDataLoader(samples, batch_size=len(samples), collate_fn=eb.TrimPadding(collator), **kwargs)
+    trim = eb.TrimPadding(collator)
+    loader = eb.MicrobatchingDataLoader(samples, batch_size=len(samples), collate_fn=trim, controller=controller)
     return next(iter(loader))
 
 
@@ -160,8 +162,8 @@ def first_batch(collator: Any, samples: list[dict[str, Any]], **kwargs: Any) -> 
 @pytest.mark.parametrize("name", CLIENTS)
 def test_gradient_equals_the_full_batch_at_any_split(tokenizer: Any, name: str, count: int) -> None:
     model, collator, samples, count_fn = client(name, tokenizer)
-    batch = first_batch(collator, samples)
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=count))
+    batch = first_batch(collator, samples, step.controller)
     loss = step.backward(batch, hf_loss(model), count_fn=count_fn)
     whole = batch.unwrap()
     assert relative_error(model, reference_grads(model, whole)) < RTOL
@@ -174,9 +176,9 @@ def test_gradient_equals_the_full_batch_at_any_split(tokenizer: Any, name: str, 
 @pytest.mark.parametrize("name", CLIENTS)
 def test_gradient_stays_exact_after_injected_ooms(tokenizer: Any, name: str, phase: str, calls: list[int]) -> None:
     model, collator, samples, count_fn = client(name, tokenizer)
-    batch = first_batch(collator, samples)
     layers = model.transformer.h if name == "gpt2" else model.bert.encoder.layer
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    batch = first_batch(collator, samples, step.controller)
     with inject_oom(layers[0] if phase == "backward" else layers[1], phase=phase, calls=calls) as oom:
         step.backward(batch, hf_loss(model), count_fn=count_fn)
     assert oom.fired == len(calls) and step.controller.oom_count == len(calls)
@@ -187,8 +189,8 @@ def test_gradient_stays_exact_after_injected_ooms(tokenizer: Any, name: str, pha
 def test_an_oom_raised_by_the_loss_past_a_token_count_is_retried_exactly(tokenizer: Any, name: str) -> None:
     """The test's own code raises torch.OutOfMemoryError for microbatches of more than 64 padded positions."""
     model, collator, samples, count_fn = client(name, tokenizer)
-    batch = first_batch(collator, samples)
     step = eb.ElasticStep(model)
+    batch = first_batch(collator, samples, step.controller)
     shapes: list[tuple[int, ...]] = []
 
     def loss_fn(mb: Any) -> torch.Tensor:
@@ -205,13 +207,12 @@ def test_an_oom_raised_by_the_loss_past_a_token_count_is_retried_exactly(tokeniz
 def test_the_naive_token_count_of_a_causal_lm_is_off_by_percents(tokenizer: Any) -> None:
     """``labels != -100`` counts one label per row that the shifted loss never sees."""
     model, collator, samples, _ = client("gpt2", tokenizer)
-    batch = first_batch(collator, samples)
+    controller = eb.SplitController(split_count=4)
+    batch = first_batch(collator, samples, controller)
     errors = []
     for count_fn in (eb.label_count(causal=False), eb.label_count(causal=True)):
         trained = copy.deepcopy(model)
-        eb.ElasticStep(trained, controller=eb.SplitController(split_count=4)).backward(
-            batch, hf_loss(trained), count_fn=count_fn
-        )
+        eb.ElasticStep(trained, controller=controller).backward(batch, hf_loss(trained), count_fn=count_fn)
         errors.append(relative_error(trained, reference_grads(model, batch.unwrap())))
     naive, exact = errors
     assert naive > 1e-2 and exact < RTOL  # measured: 1.7e-2 to 7.5e-2 naive, ~1.5e-7 exact
@@ -251,7 +252,7 @@ def test_training_under_a_simulated_device_matches_full_batch_training(tokenizer
 @pytest.mark.parametrize("name", CLIENTS)
 def test_each_microbatch_is_cut_to_its_own_longest_row(tokenizer: Any, name: str) -> None:
     _, collator, samples, _ = client(name, tokenizer)
-    batch = first_batch(collator, samples)
+    batch = first_batch(collator, samples, eb.SplitController())
     whole = batch.unwrap()
     assert type(whole) is transformers.BatchEncoding  # the collator's own structure reaches loss_fn
     widths = []
@@ -269,7 +270,7 @@ def test_each_microbatch_is_cut_to_its_own_longest_row(tokenizer: Any, name: str
 
 def test_dynamic_masking_is_the_collators_and_survives_the_cut(tokenizer: Any) -> None:
     _, collator, samples, _ = client("bert-mlm", tokenizer)
-    batch = first_batch(collator, samples)
+    batch = first_batch(collator, samples, eb.SplitController())
     whole = batch.unwrap()
     masked = whole["labels"] != -100
     assert masked.any() and (whole["input_ids"][masked] == SPECIAL["[MASK]"]).float().mean() > 0.5

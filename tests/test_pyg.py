@@ -145,9 +145,8 @@ def test_gcn_gradient_equals_the_full_batch_at_any_split(kind: str, count: int) 
     model = GCN()
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=count))
     count_fn = _num_nodes if kind == "node" else None
-    loss = step.backward(
-        next(iter(eb.MicrobatchingDataLoader(_loader()))), getattr(model, f"{kind}_loss"), count_fn=count_fn
-    )
+    batch = next(iter(eb.MicrobatchingDataLoader(_loader(), controller=step.controller)))
+    loss = step.backward(batch, getattr(model, f"{kind}_loss"), count_fn=count_fn)
     assert _relative_error(model, _reference(model, whole, kind)) < RTOL
     assert torch.allclose(loss, getattr(model, f"{kind}_loss")(whole).detach(), rtol=RTOL)
 
@@ -175,7 +174,8 @@ def test_gcn_gradient_stays_exact_after_injected_ooms(kind: str, layer: str, pha
     count_fn = _num_nodes if kind == "node" else None
     loss_fn = model.graph_loss if kind == "graph" else model.node_loss
     with inject_oom(target, phase=phase, calls=calls) as oom:
-        step.backward(next(iter(eb.MicrobatchingDataLoader(_loader()))), lambda b: loss_fn(b), count_fn=count_fn)
+        batch = next(iter(eb.MicrobatchingDataLoader(_loader(), controller=step.controller)))
+        step.backward(batch, lambda b: loss_fn(b), count_fn=count_fn)
     assert oom.fired == len(calls) and step.controller.oom_count == len(calls)
     assert _relative_error(model, _reference(model, whole, kind)) < RTOL
 
@@ -194,7 +194,9 @@ def test_an_oom_raised_by_the_loss_on_large_microbatches_is_retried_exactly() ->
             raise torch.OutOfMemoryError(f"CUDA out of memory: {batch.num_nodes} nodes do not fit")
         return model.node_loss(batch)
 
-    step.backward(next(iter(eb.MicrobatchingDataLoader(_loader()))), loss_fn, count_fn=_num_nodes)
+    step.backward(
+        next(iter(eb.MicrobatchingDataLoader(_loader(), controller=step.controller))), loss_fn, count_fn=_num_nodes
+    )
     assert step.controller.oom_count >= 1 and sizes[0] == whole.num_nodes
     assert _relative_error(model, _reference(model, whole, "node")) < RTOL
 
@@ -238,5 +240,6 @@ def test_step_device_moves_the_graphs_of_each_microbatch(monkeypatch: pytest.Mon
     monkeypatch.setattr(pyg_data.Data, "to", to)
     model = GCN()
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2), device="cpu")
-    step.backward(next(iter(eb.MicrobatchingDataLoader(_loader(batch_size=6)))), model.graph_loss)
+    batch = next(iter(eb.MicrobatchingDataLoader(_loader(batch_size=6), controller=step.controller)))
+    step.backward(batch, model.graph_loss)
     assert moved == ["cpu"] * 6  # each graph once, as its microbatch is moved
