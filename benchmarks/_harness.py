@@ -78,5 +78,9 @@ def _fmt(value: Any) -> str:
 
 
 def emit(record: dict[str, Any]) -> None:
-    """One JSON line, for machines (``grep '^{' | jq``)."""
+    """One JSON line, for machines (``grep '^{' | jq``).
+
+    A record that states a target carries ``"target"`` and ``"met"`` (a bool):
+    ``python -m elastic_batches bench --check`` exits 1 when any ``"met"`` is false.
+    """
     print(json.dumps(record, sort_keys=True), flush=True)

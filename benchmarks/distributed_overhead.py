@@ -304,6 +304,7 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 "elastic_sync_ms": 1e3 * in_steps["sync"] / calls,
                 "target": TARGET,
             }
+            record["met"] = record["ratio"] <= TARGET
             collectives = _collectives_per_step(variants["elastic"], timed)
             record["all_reduces_per_step"] = collectives["all_reduce"]
             record["all_gathers_per_step"] = collectives[eb.distributed.wire.ALL_GATHER]

@@ -162,6 +162,7 @@ def main() -> None:
             "elastic_over_stateful": own_ratio,
             "taken_apart_over_plain": apart_ratio,
             "target": TARGET,
+            "met": ratio <= TARGET,
         }
         records.append(record)
         if ratio > TARGET and workers == 0:

@@ -124,6 +124,7 @@ def main() -> None:
                 "elastic_ms_per_step": elastic_ms,
                 "ratio": ratio,
                 "target": TARGET,
+                "met": ratio <= TARGET,
             }
         )
         if ratio > TARGET:

@@ -1,14 +1,18 @@
-"""``python -m elastic_batches demo | bench``: the two commands behind ``make demo`` and ``make bench``."""
+"""``python -m elastic_batches {demo,bench}``: the commands behind ``make demo`` and ``make bench``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from elastic_batches._version import __version__
 
 
 def _benchmarks_dir() -> Path | None:
@@ -20,21 +24,43 @@ def _benchmarks_dir() -> Path | None:
     return None
 
 
-def _bench(argv: Sequence[str]) -> int:
-    """Run the benchmark scripts, each in its own process; 1 if any failed, 2 if none matched."""
-    parser = argparse.ArgumentParser(
-        prog="python -m elastic_batches bench",
-        description="Run the benchmark scripts in benchmarks/ one after the other, each in its own process; each "
-        "prints a table of ratios measured side by side, and JSON lines.",
-    )
-    parser.add_argument("names", nargs="*", help="run only the scripts whose file name contains one of these")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (sets ELASTIC_BATCHES_BENCH_QUICK=1)")
-    args = parser.parse_args(argv)
+def _missed_targets(script: str, lines: Sequence[str]) -> list[str]:
+    """The JSON records of a benchmark's output that state a target (``"met"``) and missed it."""
+    missed = []
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            record: Any = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("met") is False:
+            what = {k: v for k, v in record.items() if isinstance(v, (str, int)) and k not in ("benchmark", "met")}
+            missed.append(f"{script}: {json.dumps(what, sort_keys=True)} (target {record.get('target')})")
+    return missed
+
+
+def _run_script(script: Path, env: dict[str, str], cwd: Path) -> tuple[int, list[str]]:
+    """Run one benchmark script, its output passed through as it comes; its exit code and stdout lines."""
+    lines = []
+    with subprocess.Popen(
+        [sys.executable, str(script)], env=env, cwd=cwd, stdout=subprocess.PIPE, text=True, bufsize=1
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            lines.append(line.rstrip("\n"))
+    return process.returncode, lines
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the benchmark scripts, each in its own process; 1 if any failed (or missed a target with --check)."""
     folder = _benchmarks_dir()
     if folder is None:
         print(
-            "python -m elastic_batches bench: no benchmarks/ folder found next to the package or in the current "
-            "directory; run it from a clone of the repository",
+            "python -m elastic_batches bench: error: no benchmarks/ folder found next to the package or in the "
+            "current directory; run it from a clone of the repository",
             file=sys.stderr,
         )
         return 2
@@ -42,38 +68,75 @@ def _bench(argv: Sequence[str]) -> int:
     if args.names:
         scripts = [p for p in scripts if any(name in p.name for name in args.names)]
     if not scripts:
-        print(f"python -m elastic_batches bench: no benchmark script matches {args.names} in {folder}", file=sys.stderr)
+        print(
+            f"python -m elastic_batches bench: error: no benchmark script matches {args.names} in {folder}",
+            file=sys.stderr,
+        )
         return 2
     env = dict(os.environ)
     if args.quick:
         env["ELASTIC_BATCHES_BENCH_QUICK"] = "1"
-    failed = []
+    failed, missed, checked = [], [], 0
     for script in scripts:
         print(f"\n=== {script.name} ===", flush=True)
         start = time.perf_counter()
-        rc = subprocess.call([sys.executable, str(script)], env=env, cwd=folder.parent)
+        rc, lines = _run_script(script, env, folder.parent)
         print(f"=== {script.name}: exit {rc}, {time.perf_counter() - start:.1f}s ===", flush=True)
         if rc != 0:
             failed.append(script.name)
+        missed += _missed_targets(script.name, lines)
+        checked += sum(1 for line in lines if line.startswith("{") and '"met":' in line)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    if args.check:
+        print(f"\ntargets: {checked - len(missed)} of {checked} met", flush=True)
+        for line in missed:
+            print(f"missed: {line}", file=sys.stderr)
+    return 1 if failed or (args.check and missed) else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from elastic_batches.demo import main as demo_main
+
+    return demo_main(args.rest)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic_batches",
+        description="elastic_batches: automatic gradient accumulation that survives out-of-memory errors.",
+    )
+    parser.add_argument("--version", action="version", version=f"elastic_batches {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
+    demo = commands.add_parser(
+        "demo",
+        help="train a tiny LM under a memory limit, split on OOM, and check it against full-batch training",
+        add_help=False,  # its own options and --help are the demo's (python -m elastic_batches demo --help)
+    )
+    demo.set_defaults(run=_demo)
+    bench = commands.add_parser(
+        "bench",
+        help="run the scripts of benchmarks/",
+        description="Run the benchmark scripts in benchmarks/ one after the other, each in its own process; each "
+        'prints a table of ratios measured side by side, and JSON lines (a record with "met" states a target).',
+    )
+    bench.add_argument("names", nargs="*", help="run only the scripts whose file name contains one of these")
+    bench.add_argument("--quick", action="store_true", help="fewer repeats (sets ELASTIC_BATCHES_BENCH_QUICK=1)")
+    bench.add_argument(
+        "--check", action="store_true", help="exit 1 when a benchmark misses a target it states (not only on a crash)"
+    )
+    bench.set_defaults(run=_bench)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch ``demo`` or ``bench``; returns the process exit code (2 for a usage error)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "train a tiny LM under a simulated memory limit and check it", "bench": "run benchmarks/"}
-    if not argv or argv[0] not in commands:
-        usage = "\n".join(f"  {name:6} {text}" for name, text in commands.items())
-        print(f"usage: python -m elastic_batches {{demo,bench}} [options]\n{usage}", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "demo":
-        from elastic_batches.demo import main as demo_main
-
-        return demo_main(argv[1:])
-    return _bench(argv[1:])
+    """Run a command; returns the process exit code (argparse exits 2 on a usage error, 0 after ``--help``)."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if rest and args.command != "demo":  # the demo parses its own options
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    return int(args.run(args))
 
 
 if __name__ == "__main__":

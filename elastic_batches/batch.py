@@ -38,8 +38,18 @@ __all__ = ["ElasticBatch", "Microbatch", "split_sizes"]
 _NO_SOURCE: Any = object()  # the user's object is not kept (a batch moved, padded or built from fields)
 
 
-def _moved(fields: Fields, move: Any) -> Fields:
-    return {key: value if type(value) is list else move(value) for key, value in fields.items()}
+def _moved(fields: Fields, move: Any, device: torch.device | str | int | None = None) -> Fields:
+    """Tensors moved by ``move``; with ``device``, per-sample objects that have ``.to`` (PyG ``Data``) too."""
+    return {
+        key: (value if device is None else _moved_objects(value, device)) if type(value) is list else move(value)
+        for key, value in fields.items()
+    }
+
+
+def _moved_objects(objects: list[Any], device: torch.device | str | int) -> list[Any]:
+    if not any(callable(getattr(item, "to", None)) for item in objects):
+        return objects  # strings, ids, dicts of metadata: nothing to move
+    return [item.to(device) if callable(getattr(item, "to", None)) else item for item in objects]
 
 
 class Microbatch:
@@ -101,13 +111,17 @@ class Microbatch:
         return rebuild(self.fields, self.spec)
 
     def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> Microbatch:
-        """A copy of the microbatch on ``device`` (fields and broadcast tensors)."""
+        """A copy of the microbatch on ``device``.
+
+        Tensors, broadcast tensors, and per-sample objects that have a ``.to`` method (a list of
+        PyG ``Data``: ``item.to(device)``) are moved; other per-sample values are kept as they are.
+        """
 
         def move(t: Any) -> Any:
             return t.to(device, non_blocking=non_blocking)
 
         return Microbatch(
-            _moved(self.fields, move), self.weight, self.index, self.count, map_constants(self.spec, move)
+            _moved(self.fields, move, device), self.weight, self.index, self.count, map_constants(self.spec, move)
         )
 
 
@@ -336,12 +350,12 @@ class ElasticBatch:
         return batch
 
     def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> ElasticBatch:
-        """A copy of the batch on ``device`` (fields and broadcast tensors); the tag is kept."""
+        """A copy of the batch on ``device``, moved as :meth:`Microbatch.to` moves; the tag is kept."""
 
         def move(t: Any) -> Any:
             return t.to(device, non_blocking=non_blocking)
 
-        return self._with_fields(_moved(self.fields, move), map_constants(self.spec, move))
+        return self._with_fields(_moved(self.fields, move, device), map_constants(self.spec, move))
 
     def pin_memory(self) -> ElasticBatch:
         """A copy in page-locked memory (called by the DataLoader's pin-memory thread)."""

@@ -22,6 +22,7 @@ from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.padding import PadValue, check_pad_values, collate_padded
 from elastic_batches.structures import install_batch_types, registered_batch_types
+from elastic_batches.trim import TrimPadding
 
 __all__ = ["ElasticCollate", "register_collate"]
 
@@ -86,6 +87,8 @@ class ElasticCollate:
     Args:
         collate_fn: The user's collate function; ``None``: torch's default collate (or
             ``default_convert`` without automatic batching), extended by :func:`register_collate`.
+            A collate function that pads itself (Hugging Face's collators) is kept by wrapping
+            it in :class:`TrimPadding`, instead of giving ``pad_values``.
         auto_collation: ``False`` when the DataLoader's dataset yields whole batches
             (``batch_size=None``).
         pad_values: Names the per-sample fields of varying length and the value to pad each
@@ -98,8 +101,8 @@ class ElasticCollate:
 
     Raises:
         TypeError: ``collate_fn`` is not callable, or ``pad_values`` is not a mapping of numbers.
-        ValueError: ``pad_values`` without automatic batching, or ``shape_buckets`` without
-            ``pad_values``.
+        ValueError: ``pad_values`` without automatic batching or with a :class:`TrimPadding`
+            ``collate_fn``, or ``shape_buckets`` without ``pad_values``.
 
     Example:
         >>> import torch
@@ -135,6 +138,11 @@ class ElasticCollate:
                 f"ElasticCollate: shape_buckets must be an elastic_batches.ShapeBuckets, got {shape_buckets!r}"
             )
         self.shape_buckets = shape_buckets
+        if self.pad_values is not None and isinstance(collate_fn, TrimPadding):
+            raise ValueError(
+                "pad_values pads the samples itself, TrimPadding keeps the collate function that pads: give one of "
+                "them (TrimPadding(collate_fn, pad_values=...) takes pad values of its own)"
+            )
         if self.pad_values is not None and not auto_collation:
             raise ValueError(
                 "pad_values needs automatic batching: give the loader a batch_size (it has batch_size=None, "

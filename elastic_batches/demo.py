@@ -8,6 +8,11 @@ errors, cut each batch into more microbatches and retry it. A second run with th
 no budget (one plain full-batch ``loss.backward()`` per step, no elastic_batches code at all)
 then checks that both runs end with the same weights.
 
+With ``real_allocator`` (``--real-allocator``, Linux), there is no simulation: the elastic run
+trains under an :class:`~elastic_batches.testing.AddressSpaceLimit`, a limit on the process's
+address space, and the OOMs are the CPU allocator's own (``DefaultCPUAllocator: can't allocate
+memory``). Run it in a process of its own: it sets the process's malloc up for the limit.
+
 The demo is an application of the library: it is the only place in the package that configures
 logging (a handler on the ``elastic_batches`` logger, in :func:`main`, so that each change of the
 split count is shown).
@@ -16,13 +21,13 @@ split count is shown).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
@@ -34,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from elastic_batches.controller import SplitController
 from elastic_batches.loader import MicrobatchingDataLoader
 from elastic_batches.step import ElasticStep
-from elastic_batches.testing import MemoryBudget
+from elastic_batches.testing import AddressSpaceLimit, MemoryBudget
 
 __all__ = ["DemoConfig", "DemoResult", "main", "run_demo"]
 
@@ -61,6 +66,11 @@ class DemoConfig:
         tolerance: Largest relative difference of the final weights accepted as agreement.
         threads: torch intra-op threads during the run (restored afterwards). The model is so
             small that more threads only add synchronisation, and on a busy machine they stall.
+        real_allocator: Train under a real limit on the process's address space instead of the
+            simulated device (Linux): the device memory is then a limit on address space above
+            what the process uses when the elastic run starts, sized as for the simulated one
+            plus the temporary that accumulating the largest gradient takes and 4 MiB for
+            what Python allocates besides tensors. Changes the process's malloc settings.
 
     Example:
         >>> from elastic_batches.demo import DemoConfig
@@ -80,6 +90,7 @@ class DemoConfig:
     seed: int = 0
     tolerance: float = 1e-5
     threads: int = 1
+    real_allocator: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "vocab_size", "dim", "heads", "layers", "threads"):
@@ -108,8 +119,11 @@ class DemoResult:
             the previous step's.
         full_batch_bytes: Peak bytes one full-batch step needs (measured without a limit).
         one_row_bytes: Peak bytes a step on a batch of one row needs.
-        limit_bytes: The simulated device's memory.
-        peak_bytes: The highest memory use of the elastic run (never above ``limit_bytes``).
+        limit_bytes: The simulated device's memory (with ``real_allocator``: the address space
+            allowed above the baseline).
+        peak_bytes: The highest memory use of the elastic run (never above ``limit_bytes``);
+            ``None`` with ``real_allocator``, where the kernel enforces the limit and nothing
+            counts the peak.
         first_loss: Mean loss of the first batch (about ``log(vocab_size)``).
         final_loss: Mean loss of the last batch of the elastic run.
         reference_final_loss: The same for the reference run.
@@ -133,7 +147,7 @@ class DemoResult:
     full_batch_bytes: int
     one_row_bytes: int
     limit_bytes: int
-    peak_bytes: int
+    peak_bytes: int | None
     first_loss: float
     final_loss: float
     reference_final_loss: float
@@ -301,6 +315,7 @@ class _ProgressHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 _HANDLER: _ProgressHandler | None = None
+_REAL_HEADROOM = 4 * 2**20  # under a real limit: what Python and autograd allocate besides tensors
 
 
 # -- the runs --------------------------------------------------------------------------------------
@@ -325,7 +340,11 @@ def _measure_step(model: nn.Module, dataset: _MarkovLanguage, config: DemoConfig
 
 
 def _train_elastic(
-    model: nn.Module, dataset: _MarkovLanguage, config: DemoConfig, budget: MemoryBudget, out: TextIO | None
+    model: nn.Module,
+    dataset: _MarkovLanguage,
+    config: DemoConfig,
+    budget: MemoryBudget | None,
+    out: TextIO | None,
 ) -> tuple[SplitController, list[float], list[tuple[int, int, int]]]:
     loader = MicrobatchingDataLoader(_loader(dataset, config))
     step = ElasticStep(model, controller=loader.controller)
@@ -340,7 +359,7 @@ def _train_elastic(
         previous = loader.controller.split_count
         for index in range(config.steps):
             batch = next(batches)
-            with budget:  # the simulated device: activations, gradients and optimizer state live here
+            with budget if budget is not None else contextlib.nullcontext():  # the simulated device, if any
                 loss = step.backward(batch, lambda mb: _lm_loss(model, mb))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -408,17 +427,28 @@ def run_demo(config: DemoConfig | None = None, *, out: TextIO | None = None) -> 
 
 
 def _run(config: DemoConfig, out: TextIO | None) -> DemoResult:
+    if config.real_allocator:
+        AddressSpaceLimit.prepare()  # before the run allocates: no freed heap in the baseline
     torch.manual_seed(config.seed)
     dataset = _MarkovLanguage(config.batch_size * config.steps, config.seq_len, config.vocab_size, config.seed)
     initial = _TinyLM(config)
 
     full_batch_bytes = _measure_step(initial, dataset, config, config.batch_size)
     one_row_bytes = _measure_step(initial, dataset, config, 1)
-    budget = MemoryBudget(limit_bytes=one_row_bytes + int((full_batch_bytes - one_row_bytes) * config.memory_fraction))
+    limit_bytes = one_row_bytes + int((full_batch_bytes - one_row_bytes) * config.memory_fraction)
 
     elastic_model = copy.deepcopy(initial)
     start = time.perf_counter()
-    controller, losses, changes = _train_elastic(elastic_model, dataset, config, budget, out)
+    if config.real_allocator:
+        # accumulating a gradient materialises it first: room for the largest one twice
+        largest_gradient = max(p.numel() * p.element_size() for p in initial.parameters())
+        limit_bytes += largest_gradient + _REAL_HEADROOM
+        budget = None
+        with AddressSpaceLimit(limit_bytes, configure_malloc=True):
+            controller, losses, changes = _train_elastic(elastic_model, dataset, config, None, out)
+    else:
+        budget = MemoryBudget(limit_bytes=limit_bytes)
+        controller, losses, changes = _train_elastic(elastic_model, dataset, config, budget, out)
     elastic_seconds = time.perf_counter() - start
 
     reference_model = copy.deepcopy(initial)
@@ -427,7 +457,6 @@ def _run(config: DemoConfig, out: TextIO | None) -> DemoResult:
     reference_seconds = time.perf_counter() - start
 
     difference = _max_relative_difference(elastic_model, reference_model)
-    assert budget.limit_bytes is not None
     return DemoResult(
         max_relative_difference=difference,
         agrees=difference <= config.tolerance,
@@ -437,8 +466,8 @@ def _run(config: DemoConfig, out: TextIO | None) -> DemoResult:
         split_changes=tuple(changes),
         full_batch_bytes=full_batch_bytes,
         one_row_bytes=one_row_bytes,
-        limit_bytes=budget.limit_bytes,
-        peak_bytes=budget.peak_bytes,
+        limit_bytes=limit_bytes,
+        peak_bytes=None if budget is None else budget.peak_bytes,
         first_loss=losses[0],
         final_loss=losses[-1],
         reference_final_loss=reference_losses[-1],
@@ -454,11 +483,21 @@ def _kib(n: int) -> str:
 
 def _report(result: DemoResult, config: DemoConfig, out: TextIO) -> None:
     verdict = "AGREE" if result.agrees else "DISAGREE"
+    if result.peak_bytes is None:
+        memory = (
+            f"address space limit     : {_kib(result.limit_bytes)} above the baseline, real CPU allocator "
+            f"(a step on 1 sequence needs {_kib(result.one_row_bytes)}, on the full batch of {config.batch_size} "
+            f"{_kib(result.full_batch_bytes)})"
+        )
+    else:
+        memory = (
+            f"simulated device memory : {_kib(result.limit_bytes)} "
+            f"(a step on 1 sequence needs {_kib(result.one_row_bytes)}, on the full batch of {config.batch_size} "
+            f"{_kib(result.full_batch_bytes)}; peak used {_kib(result.peak_bytes)})"
+        )
     lines = [
         "",
-        f"simulated device memory : {_kib(result.limit_bytes)} "
-        f"(a step on 1 sequence needs {_kib(result.one_row_bytes)}, on the full batch of {config.batch_size} "
-        f"{_kib(result.full_batch_bytes)}; peak used {_kib(result.peak_bytes)})",
+        memory,
         f"OOMs caught and retried : {result.oom_count}",
         f"settled split           : {result.split_count} microbatches of at most "
         f"{math.ceil(config.batch_size / result.split_count)} (microbatch size learned: {result.microbatch_size})",
@@ -467,7 +506,7 @@ def _report(result: DemoResult, config: DemoConfig, out: TextIO) -> None:
         f"loss                    : {result.first_loss:.3f} -> {result.final_loss:.3f} "
         f"(reference {result.reference_final_loss:.3f}; the language's entropy, the best possible, "
         f"is {result.best_loss:.3f})",
-        f"time                    : elastic {result.elastic_seconds:.1f}s under the budget, "
+        f"time                    : elastic {result.elastic_seconds:.1f}s under the limit, "
         f"reference {result.reference_seconds:.1f}s",
         f"final weights vs the full-batch reference: max relative difference {result.max_relative_difference:.2e} "
         f"(tolerance {config.tolerance:.0e}): {verdict}",
@@ -507,6 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "about this fraction of the batch fits in one microbatch (default %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--real-allocator",
+        action="store_true",
+        help="no simulation: train under a real limit on the process's address space (Linux), so that the OOMs "
+        "are the CPU allocator's own ('DefaultCPUAllocator: can't allocate memory')",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the verdict line")
     args = parser.parse_args(argv)
     config = DemoConfig(
@@ -517,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers=args.layers,
         memory_fraction=args.memory_fraction,
         seed=args.seed,
+        real_allocator=args.real_allocator,
     )
     out = sys.stdout
 
@@ -533,14 +579,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"elastic_batches demo: a {config.layers}-layer transformer LM (width {config.dim}) learns a generated "
             f"language, {config.steps} steps of {config.batch_size} sequences x {config.seq_len} tokens, on the CPU "
-            f"inside a simulated device with room for about {config.memory_fraction:.0%} of a batch.",
+            + (
+                "under a limit on the process's address space (the real CPU allocator refuses past it)"
+                if config.real_allocator
+                else "inside a simulated device"
+            )
+            + f" with room for about {config.memory_fraction:.0%} of a batch.",
             file=out,
             flush=True,
         )
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
-            result = run_demo(config, out=None if args.quiet else out)
+        result = run_demo(config, out=None if args.quiet else out)
     finally:
         if handler is not None:
             library_logger.removeHandler(handler)

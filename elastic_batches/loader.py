@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -43,13 +44,34 @@ def _accelerator_present() -> bool:
     return torch.cuda.is_available()  # pragma: no cover - torch < 2.6
 
 
+# What a DataLoader iterates with: a subclass that defines one of these has iteration of its own,
+# which the rebuilt loader would lose; one that only sets arguments (PyG's sets collate_fn) is rebuilt.
+_ITERATION_METHODS = ("__iter__", "_get_iterator", "__len__", "_index_sampler", "_auto_collation")
+_STATE_METHODS = ("state_dict", "load_state_dict")
+
+
+def _own_iteration(cls: type) -> str | None:
+    """``"Class.method"`` of the first iteration method ``cls`` defines over DataLoader's, or ``None``."""
+    base = StatefulDataLoader if issubclass(cls, StatefulDataLoader) else DataLoader
+    for name in _ITERATION_METHODS + _STATE_METHODS:
+        for klass in cls.__mro__:
+            if klass is base:
+                break
+            if name in vars(klass):
+                return f"{klass.__qualname__}.{name}"
+    return None
+
+
 def _arguments_of(loader: DataLoader) -> dict[str, Any]:
     """The constructor arguments that rebuild ``loader`` (without mutating it)."""
-    if type(loader) not in (DataLoader, StatefulDataLoader) and not isinstance(loader, MicrobatchingDataLoader):
-        raise TypeError(
-            f"MicrobatchingDataLoader cannot wrap a {type(loader).__qualname__}: its own iteration logic would be "
-            "lost. Pass its dataset and arguments instead: MicrobatchingDataLoader(dataset, batch_size=..., ...)"
-        )
+    if not isinstance(loader, MicrobatchingDataLoader):
+        method = _own_iteration(type(loader))
+        if method is not None:
+            raise TypeError(
+                f"MicrobatchingDataLoader cannot wrap a {type(loader).__qualname__}: it defines {method}, its own "
+                "iteration logic, which the rebuilt loader would lose. Pass its dataset and arguments instead: "
+                "MicrobatchingDataLoader(dataset, batch_size=..., collate_fn=..., ...)"
+            )
     collate_fn: Callable[..., Any] | None = loader.collate_fn
     if collate_fn in (default_collate, default_convert):
         collate_fn = None
@@ -199,8 +221,9 @@ _BUILT_BATCH_SAMPLERS = (BatchSampler, StatefulBatchSampler, _BatchSampler)
 class MicrobatchingDataLoader(StatefulDataLoader):
     """A DataLoader that yields :class:`ElasticBatch` objects tagged with the current split count.
 
-    Give it an existing ``torch.utils.data.DataLoader`` or torchdata ``StatefulDataLoader`` (it is
-    rebuilt from its arguments; the original is left untouched), or a dataset and the usual
+    Give it an existing ``torch.utils.data.DataLoader`` or torchdata ``StatefulDataLoader``, or a
+    subclass whose iteration is theirs (it is rebuilt from its arguments; the original is left
+    untouched), or a dataset and the usual
     DataLoader arguments. It *is* a ``StatefulDataLoader``: ``len()``, workers, samplers,
     Lightning's ``DistributedSampler`` injection and mid-epoch ``state_dict()`` work as usual.
 
@@ -234,7 +257,10 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             cheap batch; a mid-epoch resume then loads up to 31 batches again to reach its place.
 
     Raises:
-        TypeError: ``dataset`` is a DataLoader subclass with its own iteration logic.
+        TypeError: ``dataset`` is a DataLoader subclass that defines iteration of its own
+            (``__iter__``, ``_get_iterator``, ``__len__``, ``state_dict``...; the message names
+            it). A subclass that only sets arguments, such as PyG's ``DataLoader`` (it sets
+            ``collate_fn``), is rebuilt from them.
 
     Example:
         >>> import torch
@@ -313,7 +339,9 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         self.pad_values = arguments["collate_fn"].pad_values
         self.sort_by_length = arguments["collate_fn"].sort_by_length
         self.shape_buckets = shape_buckets
-        super().__init__(**arguments)
+        with warnings.catch_warnings():  # torchdata's constructor calls torch.set_vital, deprecated in torch 2.13
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            super().__init__(**arguments)
         if type(self.batch_sampler) is StatefulBatchSampler:  # built just now from batch_size; not settable after
             self.batch_sampler.__class__ = _BatchSampler
 

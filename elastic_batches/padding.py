@@ -65,8 +65,10 @@ class Padding:
     """Which fields of an :class:`ElasticBatch` are padded, with what, and each sample's lengths.
 
     Attributes:
-        values: Field key of each padded field -> its pad value. A padded field has the
-            batch as first dimension and the varying length as second.
+        values: Field key of each padded field -> its pad value (``None``: not known, for a field
+            a :class:`TrimPadding` collator padded; such a field is only ever cut, never
+            extended). A padded field has the batch as first dimension and the varying length
+            as second.
         lengths: Field key -> each row's length in that field, in batch order.
         buckets: Rounding of the microbatch shapes, or ``None`` for tight padding.
 
@@ -81,7 +83,7 @@ class Padding:
         [[4, 5], [6, 0]]
     """
 
-    values: Mapping[str, PadValue]
+    values: Mapping[str, PadValue | None]
     lengths: Mapping[str, tuple[int, ...]]
     buckets: ShapeBuckets | None = None
 
@@ -109,10 +111,14 @@ class Padding:
             width = longest if buckets is None else buckets.round_length(longest)
             if width <= tensor.shape[1]:
                 tensor = tensor[:, :width].contiguous()
+            elif value is None:
+                raise ValueError(f"padded field {key!r} has no pad value to extend it to {width} positions with")
             else:
                 extra = tensor.new_full((rows, width - tensor.shape[1], *tensor.shape[2:]), value)
                 tensor = torch.cat([tensor, extra], dim=1)
             if target_rows > rows:
+                if value is None:
+                    raise ValueError(f"padded field {key!r} has no pad value to add rows with")
                 tensor = torch.cat([tensor, tensor.new_full((target_rows - rows, *tensor.shape[1:]), value)])
             padded[key] = tensor
         if target_rows == rows:

@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import itertools
 import numbers
+import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
@@ -303,12 +304,7 @@ class _Flattener:
             for name in names:
                 object.__setattr__(template, name, None)
             return _Dataclass(template, names, children)
-        raise TypeError(
-            f"cannot split a batch of type {type(value).__qualname__}"
-            f"{'' if not path else f' (field {_path_key(path)!r})'}: register it with "
-            f"elastic_batches.register_batch_type({type(value).__qualname__}, "
-            "to_tensordict=..., from_tensordict=...)"
-        )
+        raise TypeError(_unsplittable(type(value), path))
 
     def _tensor(self, value: torch.Tensor, path: tuple[str, ...]) -> _Field | _Constant:
         if value.dim() == 0:
@@ -319,6 +315,41 @@ class _Flattener:
         keys = tuple(value.keys())
         children = tuple(self.visit(value[k], (*path, str(k))) for k in keys)
         return _Map(template, keys, children)
+
+
+def _importable(cls: type) -> type | None:
+    """The class to register for ``cls``: itself, or the first importable base of a class made at run time.
+
+    PyG makes its batch classes at run time (``DataBatch``, from ``Batch``): they cannot be
+    imported under their name, so registering them by hand is not possible; their base can be.
+    """
+    if "<locals>" in cls.__qualname__:
+        return cls  # defined in a function: the user has it at hand
+    for klass in cls.__mro__:
+        found: Any = sys.modules.get(klass.__module__)
+        for part in klass.__qualname__.split("."):
+            found = getattr(found, part, None)
+        if found is klass:
+            return None if klass is object else klass
+    return None
+
+
+def _unsplittable(cls: type, path: tuple[str, ...]) -> str:
+    """The message for a value of type ``cls`` that no rule can split: the class to register, and how."""
+    field = "" if not path else f" (field {_path_key(path)!r})"
+    target = _importable(cls) or cls
+    made = "" if target is cls else f" (made at run time from {target.__module__}.{target.__qualname__})"
+    if target.__module__.split(".")[0] == "torch_geometric":
+        how = (
+            "register PyG's batches once with elastic_batches.register_pyg_batch() (it splits a Batch by graph), "
+            "or register torch_geometric.data.Batch yourself with elastic_batches.register_batch_type"
+        )
+    else:
+        how = (
+            f"register {'it' if target is cls else 'that class'} with elastic_batches.register_batch_type("
+            f"{target.__qualname__}, to_tensordict=..., from_tensordict=...)"
+        )
+    return f"cannot split a batch of type {cls.__qualname__}{field}{made}: {how}"
 
 
 def _empty_copy(mapping: Mapping[Any, Any]) -> Any:

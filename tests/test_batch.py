@@ -74,6 +74,27 @@ def test_to_moves_fields_and_broadcast_tensors_and_keeps_the_tag() -> None:
     assert batch.unwrap()["x"].device.type == "cpu"  # the original stays where it was
 
 
+class _Movable:
+    """A per-sample object with a ``.to``, as PyG's ``Data``."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def to(self, device: Any) -> _Movable:
+        return _Movable(self.value.to(device))
+
+
+def test_to_moves_per_sample_objects_that_have_to_and_keeps_the_others() -> None:
+    objects = [_Movable(torch.zeros(2)), "plain", _Movable(torch.ones(3)), {"id": 3}]
+    batch = eb.ElasticBatch.wrap({"x": torch.zeros(4, 2), "objects": objects})
+    for moved in (batch.to("meta").unwrap(), next(batch.microbatches(1)).to("meta").unwrap()):
+        first, plain, third, meta = moved["objects"]
+        assert first.value.device.type == "meta" and third.value.device.type == "meta"
+        assert plain == "plain" and meta == {"id": 3}
+    assert [mb.to("meta").unwrap()["objects"][0].value.device.type for mb in batch.microbatches(2)] == ["meta"] * 2
+    assert objects[0].value.device.type == "cpu"  # the batch's own objects stay where they were
+
+
 def test_repr_names_rows_tag_and_fields() -> None:
     batch = eb.ElasticBatch.wrap({"y": torch.zeros(3), "x": torch.zeros(3)}, split_count=2)
     assert repr(batch) == "ElasticBatch(rows=3, split_count=2, fields=['x', 'y'])"

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -88,21 +91,19 @@ def test_config_rejects_bad_values(field: str, value: object, match: str) -> Non
 def test_module_entry_point_runs_the_demo(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--steps", "1", "--batch-size", "8", "--seq-len", "8", "--dim", "16", "--layers", "1", "--quiet"]
     monkeypatch.setattr(sys, "argv", ["python -m elastic_batches", "demo", *args])
+    monkeypatch.delitem(sys.modules, "elastic_batches.__main__", raising=False)  # runpy runs it afresh
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("elastic_batches", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
     assert "AGREE" in capsys.readouterr().out
 
 
-def test_module_entry_point_rejects_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
-    from elastic_batches.__main__ import main
-
-    assert main(["train"]) == 2
-    assert "usage: python -m elastic_batches {demo,bench}" in capsys.readouterr().err
-
-
-def test_bench_command_names_a_missing_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
-    from elastic_batches.__main__ import main
-
-    assert main(["bench", "no_such_benchmark"]) == 2
-    assert "no benchmark script matches ['no_such_benchmark']" in capsys.readouterr().err
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is enforced on Linux")
+def test_demo_under_a_real_address_space_limit_splits_on_the_allocators_ooms_and_agrees() -> None:
+    command = [sys.executable, "-m", "elastic_batches", "demo", "--real-allocator", "--steps", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # in a process of its own: the limit is the whole process's
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "address space limit" in result.stdout and "real CPU allocator" in result.stdout
+    ooms = int(re.search(r"OOMs caught and retried : (\d+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert ooms >= 1 and ": AGREE" in result.stdout

@@ -2,14 +2,13 @@
 
 Each example is one parametrized case: its command line at a small size and a line its output
 must contain. Only examples that exist are listed; add a row to ``EXAMPLES`` with each new one.
-The Python code blocks of ``README.md`` and ``docs/quickstart.md`` run too, in order, each file
-in one namespace, as a reader would paste them.
+The Python code blocks of ``README.md`` and of every page of ``docs/`` run too, in order, each
+page in one namespace and a process of its own, as a reader would paste them.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -83,14 +82,21 @@ def test_every_example_is_listed() -> None:
     assert not unlisted, f"add a row to EXAMPLES in tests/test_examples.py for {unlisted}, so that CI runs them"
 
 
-def _python_blocks(markdown: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
+DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from run_doc_blocks import python_blocks  # noqa: E402 - the runner's own parser
 
 
-@pytest.mark.parametrize("document", ["README.md", "docs/quickstart.md"])
-def test_code_blocks_of_the_docs_run(document: str) -> None:
-    blocks = _python_blocks((ROOT / document).read_text())
-    assert blocks, f"{document} has no python code block"
-    namespace: dict[str, object] = {"__name__": "__docs__"}
-    for number, block in enumerate(blocks):
-        exec(compile(block, f"{document}[block {number}]", "exec"), namespace)  # noqa: S102 - our own docs
+def test_the_pages_with_code_blocks_include_the_readme_and_the_quick_start() -> None:
+    with_code = [d for d in DOCUMENTS if python_blocks((ROOT / d).read_text())]
+    assert {"README.md", "docs/quickstart.md", "docs/recipes.md", "docs/testing.md"} <= set(with_code)
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_code_blocks_of_the_docs_run(document: str, tmp_path: Path) -> None:
+    if not python_blocks((ROOT / document).read_text()):
+        return  # a page of prose and tables: nothing to run
+    command = [sys.executable, str(ROOT / "tests" / "scripts" / "run_doc_blocks.py"), str(ROOT / document)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -6,6 +6,7 @@ import copy
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -472,13 +473,84 @@ def test_a_position_saved_with_other_workers_says_so(saved: int, loaded: int) ->
 # Arguments
 
 
-class _OwnLoader(DataLoader):
-    pass
+class _ArgumentsLoader(DataLoader):
+    """Like PyG's DataLoader: a subclass that only sets constructor arguments."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=batch_size, collate_fn=_sum_collate, **kwargs)
 
 
-def test_refuses_a_dataloader_subclass_with_its_own_iteration() -> None:
-    with pytest.raises(TypeError, match=r"cannot wrap a _OwnLoader: its own iteration logic would be lost"):
-        eb.MicrobatchingDataLoader(_OwnLoader(_dataset()))
+def _sum_collate(samples: list[Any]) -> dict[str, torch.Tensor]:
+    return {"x": torch.stack([x for x, _ in samples]), "y": torch.stack([y for _, y in samples])}
+
+
+class _OwnIterLoader(DataLoader):
+    def __iter__(self) -> Any:
+        return super().__iter__()
+
+
+class _OwnIteratorLoader(_ArgumentsLoader):
+    def _get_iterator(self) -> Any:
+        return super()._get_iterator()
+
+
+class _OwnLengthLoader(StatefulDataLoader):
+    def __len__(self) -> int:
+        return 1
+
+
+class _OwnStateLoader(StatefulDataLoader):
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def test_wraps_a_dataloader_subclass_that_only_sets_arguments() -> None:
+    plain = _ArgumentsLoader(_dataset(), batch_size=8)
+    loader = eb.MicrobatchingDataLoader(plain, controller=eb.SplitController(split_count=2))
+    batches = list(loader)
+    assert [len(b) for b in batches] == [8, 8, 4]
+    assert [len(mb) for mb in batches[0].microbatches()] == [4, 4]
+    expected = [b["x"] for b in plain]
+    assert all(torch.equal(b.unwrap()["x"], x) for b, x in zip(batches, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("cls", "method"),
+    [
+        (_OwnIterLoader, "_OwnIterLoader.__iter__"),
+        (_OwnIteratorLoader, "_OwnIteratorLoader._get_iterator"),
+        (_OwnLengthLoader, "_OwnLengthLoader.__len__"),
+        (_OwnStateLoader, "_OwnStateLoader.state_dict"),
+    ],
+    ids=["__iter__", "_get_iterator", "__len__", "state_dict"],
+)
+def test_refuses_a_dataloader_subclass_with_its_own_iteration_naming_the_method(cls: type, method: str) -> None:
+    with pytest.raises(TypeError, match=rf"cannot wrap a {cls.__name__}: it defines {method}, its own iteration"):
+        eb.MicrobatchingDataLoader(cls(_dataset()))
+
+
+def test_construction_prints_no_set_vital_deprecation() -> None:
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eb.MicrobatchingDataLoader(_dataset(), batch_size=4)
+        eb.MicrobatchingDataLoader(DataLoader(_dataset(), batch_size=4, shuffle=True))
+    assert [str(w.message) for w in caught] == []
+    assert warnings.filters == filters  # a filter around torchdata's call, not a global one
+
+
+def test_other_warnings_of_the_construction_still_show(monkeypatch: pytest.MonkeyPatch) -> None:
+    def set_vital(*args: Any) -> None:
+        warnings.warn("'set_vital' is deprecated, please do not call", UserWarning, stacklevel=2)
+        warnings.warn("another warning raised while the loader is built", UserWarning, stacklevel=2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading the old torch.set_vital warns too
+        monkeypatch.setattr(torch, "set_vital", set_vital)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eb.MicrobatchingDataLoader(_dataset(), batch_size=4)
+    assert [str(w.message) for w in caught] == ["another warning raised while the loader is built"]
 
 
 def test_refuses_a_controller_that_is_not_a_split_controller() -> None:

@@ -309,6 +309,30 @@ def test_unsplittable_type_names_the_type_and_register_batch_type(batch: Any, wh
         eb.ElasticBatch.wrap(batch)
 
 
+class Importable:
+    pass
+
+
+def test_a_class_made_at_run_time_names_its_importable_base_to_register() -> None:
+    made = type("MadeAtRunTime", (Importable,), {"__module__": "abc"})  # as PyG makes DataBatch from Batch
+    with pytest.raises(
+        TypeError,
+        match=r"type MadeAtRunTime \(made at run time from \S*Importable\): register that class with "
+        r"elastic_batches\.register_batch_type\(Importable, to_tensordict=",
+    ):
+        eb.ElasticBatch.wrap(made())
+
+
+def test_a_local_class_is_named_itself() -> None:
+    class Local(Importable):
+        pass
+
+    with pytest.raises(
+        TypeError, match=r"<locals>\.Local: register it with elastic_batches\.register_batch_type\(\S*<locals>\.Local,"
+    ):
+        eb.ElasticBatch.wrap(Local())
+
+
 def test_read_only_mapping_names_the_type_and_register_batch_type() -> None:
     with pytest.raises(TypeError, match=r"read-only mapping type mappingproxy: register it with .*register_batch_type"):
         eb.ElasticBatch.wrap(types.MappingProxyType({"x": _x(range(2))}))

@@ -1,6 +1,6 @@
 """Simulated device memory and OOM injection, for testing elastic batching on a CPU.
 
-Both tools raise the real :class:`torch.OutOfMemoryError`, so the code under test takes the
+The first two raise the real :class:`torch.OutOfMemoryError`, so the code under test takes the
 same path it takes on a GPU:
 
 * :class:`MemoryBudget` counts the bytes of the tensor storages that ops allocate while it is
@@ -12,10 +12,14 @@ same path it takes on a GPU:
   or the device transfer of a microbatch, optionally on one ``torch.distributed`` rank only;
   :func:`inject_oom_in_cut` and :func:`inject_oom_in_op` strike in the cut of a padded
   microbatch and in any chosen aten operator (a concatenation, a stack, a buffer's allocation).
+* :class:`AddressSpaceLimit` makes the real CPU allocator refuse (Linux): a limit on the
+  process's address space, under which torch raises its own ``DefaultCPUAllocator: can't
+  allocate memory``.
 
 See ``docs/testing.md`` for a walk-through.
 """
 
+from elastic_batches.testing.address_space import AddressSpaceLimit, address_space_bytes
 from elastic_batches.testing.injection import (
     OOMInjection,
     inject_oom,
@@ -27,8 +31,10 @@ from elastic_batches.testing.injection import (
 from elastic_batches.testing.memory import MemoryBudget
 
 __all__ = [
+    "AddressSpaceLimit",
     "MemoryBudget",
     "OOMInjection",
+    "address_space_bytes",
     "inject_oom",
     "inject_oom_in_cut",
     "inject_oom_in_op",
