@@ -18,7 +18,6 @@ import torch
 from tensordict import NonTensorStack, TensorDictBase
 
 from elastic_batches.balance import BatchLoad, split_sizes
-from elastic_batches.controller import SettledSplit
 from elastic_batches.structures import (
     BatchSpec,
     Fields,
@@ -31,6 +30,7 @@ from elastic_batches.structures import (
 )
 
 if TYPE_CHECKING:
+    from elastic_batches.controller import SettledSplit
     from elastic_batches.padding import Padding
 
 __all__ = ["ElasticBatch", "Microbatch", "split_sizes"]
@@ -242,9 +242,8 @@ class ElasticBatch:
         """The number of microbatches this batch was tagged with (at least 1)."""
         count = self._split_count
         if count is None:
-            settled = self._settled
-            assert settled is not None
-            count = settled.count_for(len(self) if settled.unit == "rows" else self.load(settled.unit))
+            assert self._settled is not None
+            count = self._settled.count_of(self)
             self._split_count = count
         return count
 
@@ -267,7 +266,7 @@ class ElasticBatch:
             >>> controller = eb.SplitController(split_count=3)
             >>> batch = eb.ElasticBatch.wrap(torch.zeros(10, 2))
             >>> batch.tag(controller.settled)
-            >>> controller.record_oom(size=4, rows=10)  # learned later: does not change the tag
+            >>> controller.record_oom(size=4, load=10)  # learned later: does not change the tag
             >>> batch.split_count, controller.count_for(10)
             (3, 5)
         """

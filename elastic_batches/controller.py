@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from elastic_batches._state import check_state_dict
 from elastic_batches.balance import BatchLoad, rows_within
 from elastic_batches.oom import ElasticOOMError
+
+if TYPE_CHECKING:
+    from elastic_batches.batch import ElasticBatch
 
 __all__ = ["SettledSplit", "SplitController"]
 
@@ -77,7 +80,7 @@ class SettledSplit:
     Example:
         >>> from elastic_batches import SplitController
         >>> controller = SplitController()
-        >>> controller.record_oom(size=64, rows=64)
+        >>> controller.record_oom(size=64, load=64)
         >>> settled = controller.settled
         >>> settled.capacity, settled.count_for(64), settled.count_for(100)
         (32, 2, 4)
@@ -91,29 +94,32 @@ class SettledSplit:
     fits: int = 0  # the largest microbatch that fitted (0: none): without an OOM known, never more pieces than it needs
     source: object = dataclasses.field(default=None, compare=False, repr=False)  # the controller that settled it
 
-    def count_for(self, rows: int | BatchLoad) -> int:
-        """The count for a batch of ``rows`` rows (``unit="tokens"``: its ``BatchLoad``)."""
-        if type(rows) is int:  # the rows unit, without a BatchLoad to build
-            if self.capacity is not None:
-                count = rows_within(rows, self.capacity)
-            else:
-                count = self.start_split_count
-                if self.fits:
-                    count = min(count, rows_within(rows, self.fits))
-            return self.clamp(rows, count)
-        assert isinstance(rows, BatchLoad)
-        return self.clamp(rows.rows, self.unclamped(rows))
+    def count_for(self, load: int | BatchLoad) -> int:
+        """The count for a batch of ``load`` rows (``unit="tokens"``: its ``BatchLoad``)."""
+        if type(load) is int:  # the rows unit, without a BatchLoad to build
+            rows = load
+            return self.clamp(rows, self._count(lambda capacity: rows_within(rows, capacity)))
+        assert isinstance(load, BatchLoad)
+        return self.clamp(load.rows, self._count(load.count_within))
+
+    def count_of(self, batch: ElasticBatch) -> int:
+        """The count for ``batch``, read in this controller's unit (what a tag works out when first read)."""
+        return self.count_for(len(batch) if self.unit == "rows" else batch.load(self.unit))
 
     def unclamped(self, load: BatchLoad) -> int:
-        """The count that keeps to the capacity, before the limits.
+        """The count that keeps to the capacity, before the limits."""
+        return self._count(load.count_within)
+
+    def _count(self, within: Callable[[int], int]) -> int:
+        """The settled rule, given ``within(size)``: the fewest pieces of at most ``size``.
 
         Without an OOM known, nothing caps a microbatch: the starting count, or fewer pieces
         when a larger microbatch already fitted.
         """
         if self.capacity is not None:
-            return load.count_within(self.capacity)
+            return within(self.capacity)
         if self.fits:
-            return min(self.start_split_count, load.count_within(self.fits))
+            return min(self.start_split_count, within(self.fits))
         return self.start_split_count
 
     def clamp(self, rows: int, count: int) -> int:
@@ -152,18 +158,18 @@ class SplitController:
         >>> controller = SplitController()
         >>> controller.plan(256)
         1
-        >>> controller.record_oom(size=256, rows=256, discarded=1)
+        >>> controller.record_oom(size=256, load=256, discarded=1)
         >>> controller.plan(256)
         2
-        >>> controller.record_success(size=128, rows=256)
+        >>> controller.record_success(size=128, load=256)
         >>> controller.plan(256)  # probes between 128 (fits) and 256 (failed)
         2
         >>> controller.split_count, controller.microbatch_size
         (2, 128)
         >>> from elastic_batches import BatchLoad
         >>> tokens = SplitController(unit="tokens")
-        >>> tokens.record_oom(size=1024, rows=BatchLoad(16, [64] * 16))  # 16 x 64 did not fit
-        >>> tokens.record_success(size=512, rows=BatchLoad(16, [64] * 16))  # 8 x 64 fitted
+        >>> tokens.record_oom(size=1024, load=BatchLoad(16, [64] * 16))  # 16 x 64 did not fit
+        >>> tokens.record_success(size=512, load=BatchLoad(16, [64] * 16))  # 8 x 64 fitted
         >>> tokens.count_for(BatchLoad(16, [128] * 16))  # 2x longer: 2x the microbatches
         4
     """
@@ -195,7 +201,7 @@ class SplitController:
         self._start_split_count = split_count
         self._fits = 0  # largest microbatch size (rows) that completed a step; 0: none yet
         self._fails: int | None = None  # smallest microbatch size that ran out of memory
-        self._resettle()
+        self._learn(0, None)
         self._last_rows: BatchLoad | None = None
         self._steps_since_oom = 0
         self._grow_pending = False
@@ -271,24 +277,27 @@ class SplitController:
         """
         return self._settled.capacity
 
-    def _load(self, rows: int | BatchLoad) -> BatchLoad:
-        if isinstance(rows, BatchLoad):
-            if rows.unit != self.unit:
+    def _load(self, load: int | BatchLoad) -> BatchLoad:
+        if isinstance(load, BatchLoad):
+            if load.unit != self.unit:
                 raise ValueError(
-                    f"SplitController(unit={self.unit!r}) got a BatchLoad in {rows.unit}: "
+                    f"SplitController(unit={self.unit!r}) got a BatchLoad in {load.unit}: "
                     "pass batch.load(controller.unit)"
                 )
-            return rows
-        _positive_int("rows", rows)
+            return load
+        _positive_int("rows", load)
         if self.unit != "rows":
             raise TypeError(
-                f"SplitController(unit={self.unit!r}) plans with each batch's lengths, not a row count {rows!r}: "
+                f"SplitController(unit={self.unit!r}) plans with each batch's lengths, not a row count {load!r}: "
                 "pass batch.load('tokens') of an ElasticBatch from a loader with pad_values"
             )
-        return BatchLoad(rows)
+        return BatchLoad(load)
 
-    def count_for(self, rows: int | BatchLoad) -> int:
-        """The settled count for a batch of ``rows`` rows, without probing (what the loader tags).
+    def count_for(self, load: int | BatchLoad) -> int:
+        """The settled count for a batch, without probing (what the loader tags).
+
+        Args:
+            load: The batch's rows (``unit="tokens"``: its ``BatchLoad``, ``batch.load("tokens")``).
 
         Example:
             >>> from elastic_batches import SplitController
@@ -296,37 +305,47 @@ class SplitController:
             >>> controller.count_for(10)
             3
         """
-        if type(rows) is int and self.unit == "rows":  # no BatchLoad to build
-            _positive_int("rows", rows)
-            return self._settled.count_for(rows)
-        return self._settled.count_for(self._load(rows))
+        if type(load) is int and self.unit == "rows":  # no BatchLoad to build
+            _positive_int("rows", load)
+            return self._settled.count_for(load)
+        return self._settled.count_for(self._load(load))
 
-    def plan(self, rows: int | BatchLoad, *, tag: int | None = None) -> int:
-        """The count to try next on a batch of ``rows`` rows; may probe a larger microbatch.
+    def plan(self, load: int | BatchLoad, *, tag: int | None = None) -> int:
+        """The count to try next on a batch; may probe a larger microbatch. The one place a count is decided.
+
+        The settled count keeps to :attr:`microbatch_size`. While the search refines (a size
+        fitted, a larger one failed, and they are more than 10% apart), it probes the count
+        whose largest microbatch lies between them; with ``grow_after``, a growth probe is one
+        microbatch fewer.
 
         Args:
-            rows: The batch's rows on this process (``unit="tokens"``: its ``BatchLoad``).
+            load: The batch's rows on this process (``unit="tokens"``: its ``BatchLoad``).
             tag: The count the batch was tagged with (``batch.split_count``). A tag above the
                 settled count (set by hand, or from before the controller learned that a larger
                 microbatch fits) is obeyed; one at or below it does not stop a probe.
 
         Returns:
-            A count between 1 and ``rows``.
+            A count between 1 and the batch's rows, within the limits.
         """
-        load = self._load(rows)  # asking changes nothing: only record_success / record_oom learn
+        load = self._load(load)  # asking changes nothing: only record_success / record_oom learn
         settled = self._settled.unclamped(load)
         if tag is not None and tag > settled:
             return self._settled.clamp(load.rows, tag)
         count = settled
         if self._grow_pending:
             count = settled - 1
-        elif self._fits and self._fails is not None and 10 * self._fits < 9 * (self._fails - 1):
+        elif self._refining():
+            assert self._fails is not None
             count = load.count_within((self._fits + self._fails) // 2)
             if count >= settled:
                 count = settled - 1
             if count < 1 or load.size_at(count) >= self._fails:
                 count = settled  # no count of this batch falls strictly between fits and fails
         return self._settled.clamp(load.rows, max(count, 1))
+
+    def _refining(self) -> bool:
+        """Whether a size fitted and a larger one failed, more than 10% apart: the search probes between."""
+        return bool(self._fits) and self._fails is not None and 10 * self._fits < 9 * (self._fails - 1)
 
     def _capacity(self) -> int | None:
         """What :attr:`microbatch_size` says, worked out from what the controller knows now."""
@@ -336,28 +355,37 @@ class SplitController:
             return self._fits
         return max(1, (self._fails + 1) // 2)
 
+    def _learn(self, fits: int, fails: int | None) -> None:
+        """Set the search bounds, and what the loader tags from them (the one place both change)."""
+        self._fits, self._fails = fits, fails
+        self._resettle()
+
+    def _describe(self, count: int, load: BatchLoad) -> str:
+        unit = "rows" if self.unit == "rows" else "tokens"
+        return f"{count} microbatch{'es' if count != 1 else ''} of at most {load.size_at(count)} {unit}"
+
     # -- what happened ------------------------------------------------------------------------
 
-    def record_success(self, size: int, rows: int | BatchLoad) -> None:
+    def record_success(self, size: int, load: int | BatchLoad) -> None:
         """Report a step whose largest microbatch had ``size`` rows (all ranks: the smallest of them).
 
         Args:
             size: Rows of the largest microbatch of the step that completed (``unit="tokens"``:
                 its padded positions).
-            rows: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
+            load: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
         """
-        load = self._load(rows)
+        load = self._load(load)
         logged = logger.isEnabledFor(logging.INFO)  # the count before and after is only for the log line
         before = self.split_count if logged else 0
         if self._grow_pending and size > self._fits and self.grow_after is not None:
             self._grow_wait = self.grow_after  # a growth probe succeeded: probe at the base rate again
-        self._fits = max(self._fits, size)
-        if self._fails is not None and self._fits >= self._fails:
+        fits, fails = max(self._fits, size), self._fails
+        if fails is not None and fits >= fails:
             # Memory grew past an old failure (or that failure was at the edge): it moves to just above what
             # fitted, so a larger microbatch waits for a growth probe instead of being tried on every batch.
-            self._fails = self._fits + 1
-        if self._capacity() != self._settled.capacity or self._fits != self._settled.fits:
-            self._resettle()
+            fails = fits + 1
+        if (fits, fails) != (self._fits, self._fails):
+            self._learn(fits, fails)
         self._last_rows = load
         self._tried.clear()
         self._grow_pending = False
@@ -367,30 +395,34 @@ class SplitController:
             self._steps_since_oom = 0
         after = self.split_count if logged else 0
         if after != before:
+            unit = "rows" if self.unit == "rows" else "tokens"
             logger.info(
-                "microbatch size %d fits: now %d microbatches of at most %d for a batch of %d",
+                "microbatches of %d %s fit on a batch of %d rows: split count %d -> %d, %s",
                 size,
-                after,
-                load.size_at(after),
+                unit,
                 load.rows,
+                before,
+                after,
+                self._describe(after, load),
             )
 
-    def record_oom(self, size: int, rows: int | BatchLoad, discarded: int = 0) -> None:
+    def record_oom(self, size: int, load: int | BatchLoad, discarded: int = 0) -> None:
         """Report an OOM on a step whose largest microbatch had ``size`` rows, and learn from it.
 
         Args:
             size: Rows of the largest microbatch of the attempt that ran out of memory (all
                 ranks: the smallest size among the ranks that ran out; ``unit="tokens"``: its
                 padded positions).
-            rows: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
+            load: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
             discarded: Microbatches of the attempt whose work was thrown away.
 
         Raises:
             ElasticOOMError: no smaller microbatch is allowed (size 1, ``min_microbatch_size``,
                 ``max_split_count``); the message says the batch size and what was tried.
         """
-        load = self._load(rows)
+        load = self._load(load)
         rows = load.rows
+        settled = self._settled.count_for(load if self.unit != "rows" else rows)  # the count before this OOM
         self.oom_count += 1
         self.discarded_microbatches += discarded
         self._tried.append(size)
@@ -399,34 +431,34 @@ class SplitController:
         self._grow_pending = False
         self._steps_since_oom = 0
         count = load.count_within(size)
+        unit = "" if self.unit == "rows" else " tokens"
         # At the limit when the smallest largest-microbatch the limits allow is what failed. A smaller size
         # can only come from another rank (whose batch splits finer): this rank then splits all it may.
         at_limit = load.size_at(self._settled.clamp(rows, rows)) == size
         if at_limit:
             tried = ", ".join(str(s) for s in self._tried)
             self._tried.clear()
-            unit = "" if self.unit == "rows" else " tokens"
             raise ElasticOOMError(
                 f"out of memory on a batch of {rows} rows even at microbatch size {size}{unit} ({count} microbatches); "
                 f"microbatch sizes tried on this batch: {tried}. Splitting cannot help further "
                 f"(min_microbatch_size={self.min_microbatch_size}, max_split_count={self.max_split_count}): "
                 "lower the batch size or free memory"
             )
-        self._fails = size if self._fails is None else min(self._fails, size)
-        if self._fits >= size:
-            self._fits = 0  # memory shrank: what fitted before does not any more
-        self._resettle()
+        fails = size if self._fails is None else min(self._fails, size)
+        fits = 0 if self._fits >= size else self._fits  # an OOM at a size that fitted: memory shrank
+        self._learn(fits, fails)
         self.retry_count += 1
         self._last_rows = load
         after = self.plan(load)
+        probe = f" (a probe; settled at {settled})" if count != settled else ""
         logger.info(
-            "OOM at microbatch size %d of %d: now %d microbatches of at most %d (split count %d -> %d)",
-            size,
+            "OOM at %s on a batch of %d rows%s: split count %d -> %d, %s",
+            self._describe(count, load),
             rows,
+            probe,
+            count,
             after,
-            load.size_at(after),
-            count,  # the count that ran out of memory (a probe's, not the settled one)
-            after,
+            self._describe(after, load),
         )
 
     # -- state --------------------------------------------------------------------------------
@@ -437,7 +469,7 @@ class SplitController:
         Example:
             >>> from elastic_batches import SplitController
             >>> a = SplitController()
-            >>> a.record_oom(size=64, rows=64)
+            >>> a.record_oom(size=64, load=64)
             >>> b = SplitController()
             >>> b.load_state_dict(a.state_dict())
             >>> b.plan(64), b.oom_count
@@ -502,9 +534,7 @@ class SplitController:
         elif state["last_lengths"] is not None:
             raise _state_error("last_lengths", "None when last_rows is None", state["last_lengths"])
         self._start_split_count = state["start_split_count"]
-        self._fits = state["fits"]
-        self._fails = state["fails"]
-        self._resettle()
+        self._learn(state["fits"], state["fails"])
         self._last_rows = last
         self._steps_since_oom = state["steps_since_oom"]
         self._grow_pending = state["grow_pending"]

@@ -248,19 +248,40 @@ def test_one_info_line_per_change_of_count(caplog: pytest.LogCaptureFixture) -> 
     lines = [(r.levelno, r.name, r.getMessage()) for r in caplog.records]
     assert len(lines) == 2, lines
     assert lines[0][:2] == (logging.INFO, "elastic_batches.controller")
-    assert lines[0][2].startswith("microbatch size 86 fits: now 3 microbatches of at most 86 for a batch of 256")
+    assert lines[0][2] == (
+        "microbatches of 86 rows fit on a batch of 256 rows: split count 4 -> 3, 3 microbatches of at most 86 rows"
+    )
     assert lines[1][:2] == (logging.INFO, "elastic_batches.controller")
-    assert lines[1][2] == "OOM at microbatch size 128 of 256: now 3 microbatches of at most 86 (split count 2 -> 3)"
+    assert lines[1][2] == (  # the growth probe that failed is named as one: the count 2 appeared nowhere before
+        "OOM at 2 microbatches of at most 128 rows on a batch of 256 rows (a probe; settled at 3): "
+        "split count 2 -> 3, 3 microbatches of at most 86 rows"
+    )
 
 
 def test_halving_logs_each_oom(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="elastic_batches")
     Oracle(eb.SplitController(), 256, 100).run(settle_steps(256))
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert messages[0].startswith("OOM at microbatch size 256 of 256: now 2 microbatches of at most 128")
-    assert messages[1].startswith("OOM at microbatch size 128 of 256: now 4 microbatches of at most 64")
-    assert messages[0].endswith("(split count 1 -> 2)") and messages[1].endswith("(split count 2 -> 4)")
+    assert messages[0] == (
+        "OOM at 1 microbatch of at most 256 rows on a batch of 256 rows: split count 1 -> 2, "
+        "2 microbatches of at most 128 rows"
+    )
+    assert messages[1] == (
+        "OOM at 2 microbatches of at most 128 rows on a batch of 256 rows: split count 2 -> 4, "
+        "4 microbatches of at most 64 rows"
+    )
     assert sum(m.startswith("OOM at") for m in messages) == 2
+
+
+def test_a_tokens_controller_logs_tokens_and_rows_apart(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="elastic_batches")
+    controller = eb.SplitController(unit="tokens")
+    load = eb.BatchLoad(64, [120] * 64)
+    controller.record_oom(load.size_at(1), load)
+    assert caplog.records[-1].getMessage() == (
+        "OOM at 1 microbatch of at most 7680 tokens on a batch of 64 rows: split count 1 -> 2, "
+        "2 microbatches of at most 3840 tokens"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,8 +416,8 @@ def test_repr_shows_what_was_learned() -> None:
 
 def test_limits_set_later_apply_to_the_next_count_and_are_checked() -> None:
     controller = eb.SplitController()
-    controller.record_oom(size=64, rows=64)
-    controller.record_oom(size=32, rows=64)
+    controller.record_oom(size=64, load=64)
+    controller.record_oom(size=32, load=64)
     assert controller.count_for(64) == 4
     controller.max_split_count = 3
     assert controller.count_for(64) == 3

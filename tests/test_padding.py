@@ -225,9 +225,9 @@ def test_a_tokens_load_needs_a_padded_batch() -> None:
 def test_tokens_controller_gives_longer_batches_more_microbatches_before_any_oom() -> None:
     controller = eb.SplitController(unit="tokens")
     short = eb.BatchLoad(32, [16] * 32)
-    controller.record_oom(size=512, rows=short)  # 32 x 16 did not fit
+    controller.record_oom(size=512, load=short)  # 32 x 16 did not fit
     assert controller.plan(short) == 2
-    controller.record_success(size=256, rows=short)
+    controller.record_success(size=256, load=short)
     longer = eb.BatchLoad(32, [64] * 32)
     assert controller.count_for(longer) == 8  # 4x the tokens: 4x the microbatches, no OOM needed
     assert longer.size_at(controller.count_for(longer)) <= 256
@@ -235,8 +235,8 @@ def test_tokens_controller_gives_longer_batches_more_microbatches_before_any_oom
 
 def test_a_rows_controller_does_not_see_the_length() -> None:
     controller = eb.SplitController()
-    controller.record_oom(size=32, rows=32)
-    controller.record_success(size=16, rows=32)
+    controller.record_oom(size=32, load=32)
+    controller.record_success(size=16, load=32)
     assert controller.count_for(32) == 2  # whatever the sequences' length
 
 
@@ -244,7 +244,7 @@ def test_tokens_controller_raises_at_one_sample_per_microbatch() -> None:
     controller = eb.SplitController(unit="tokens")
     load = eb.BatchLoad(4, [100, 90, 10, 10])
     with pytest.raises(eb.ElasticOOMError, match=r"even at microbatch size 100 tokens \(3 microbatches\)"):
-        controller.record_oom(size=100, rows=load)
+        controller.record_oom(size=100, load=load)
 
 
 def test_tokens_controller_wants_batch_loads() -> None:
@@ -265,8 +265,8 @@ def test_controller_unit_is_checked() -> None:
 def test_tokens_controller_state_round_trip() -> None:
     a = eb.SplitController(unit="tokens", grow_after=3)
     load = eb.BatchLoad(8, [40, 30, 20, 20, 10, 10, 5, 1])
-    a.record_oom(size=load.size_at(1), rows=load, discarded=1)
-    a.record_success(size=load.size_at(a.plan(load)), rows=load)
+    a.record_oom(size=load.size_at(1), load=load, discarded=1)
+    a.record_success(size=load.size_at(a.plan(load)), load=load)
     b = eb.SplitController(unit="tokens", grow_after=3)
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
@@ -306,8 +306,8 @@ def test_loader_keeps_its_padding_arguments_as_attributes_and_rebuilds_from_them
 
 def test_loader_tags_with_the_tokens_controller() -> None:
     controller = eb.SplitController(unit="tokens")
-    controller.record_oom(size=128, rows=eb.BatchLoad(8, [16] * 8))
-    controller.record_success(size=64, rows=eb.BatchLoad(8, [16] * 8))
+    controller.record_oom(size=128, load=eb.BatchLoad(8, [16] * 8))
+    controller.record_success(size=64, load=eb.BatchLoad(8, [16] * 8))
     loader = eb.MicrobatchingDataLoader(make_samples([16] * 8), batch_size=8, pad_values=PAD, controller=controller)
     batch = next(iter(loader))
     assert batch.split_count == 2
