@@ -571,31 +571,18 @@ class ElasticStep:
         """
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"ElasticStep.optimizer_step: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        status, error, total_sq = Status.OK, None, 0.0
+        status, error = Status.OK, None
         try:
             if self.grad_scaler is not None:
                 self.grad_scaler.unscale_(optimizer)
-            if max_grad_norm is not None:
-                total_sq = self.sync.local_grad_sq_norm(grads)
         except Exception as err:
             status, error = status_of(err), err
-        if max_grad_norm is not None:
-            # A vote before any rank steps: an OOM in the norm on one rank must not leave the others updated.
-            outcome = self.sync.agree(status, total_sq)  # under FSDP2 it also sums the shards' parts of the norm
-            _raise_if_failed(outcome, error, "the gradient norm")
-            if not self.sync.replicated:
-                total_sq = outcome.sums[0]
         norm = None
+        if max_grad_norm is not None:  # a vote before any rank steps: an OOM on one rank leaves every rank as it was
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norm = self.clip_grad_norm_(grads, max_grad_norm, failed=error)
         if status == Status.OK:
             try:
-                if max_grad_norm is not None:
-                    norm = torch.tensor(math.sqrt(total_sq), dtype=torch.float64)
-                    coefficient = max_grad_norm / (math.sqrt(total_sq) + 1e-6)
-                    if coefficient < 1.0:
-                        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-                        with torch.no_grad():
-                            torch._foreach_mul_(local, coefficient)
                 if self.grad_scaler is not None:
                     self.grad_scaler.step(optimizer)
                     self.grad_scaler.update()
@@ -605,6 +592,67 @@ class ElasticStep:
                 status, error = status_of(err), err
         _raise_if_failed(self.sync.agree(status), error, "optimizer.step()")
         return norm
+
+    def clip_grad_norm_(
+        self,
+        grads: Sequence[torch.Tensor],
+        max_norm: float,
+        *,
+        failed: BaseException | None = None,
+        failed_where: str = "the gradient norm",
+    ) -> torch.Tensor:
+        """Clip ``grads`` to a total 2-norm of ``max_norm``, as ``clip_grad_norm_`` does, the norm agreed by every rank.
+
+        Every rank computes its part of the squared norm (all of it with replicated gradients,
+        its shards' under FSDP2), and one small collective sums the parts and tells every rank
+        whether any rank failed, before any gradient is scaled: an OOM in the norm on one rank
+        raises ``ElasticOOMError`` on every rank, and no rank has stepped.
+
+        Args:
+            grads: The gradients to clip (this rank's shards under FSDP2).
+            max_norm: The largest total norm allowed.
+            failed: An error this rank met before it could clip (unscaling, a hook): it joins
+                the vote all the same, so that every rank raises.
+            failed_where: What the message names when some rank came with ``failed``.
+
+        Returns:
+            The total norm before clipping, a float64 scalar tensor.
+
+        Raises:
+            ElasticOOMError: out of memory in the norm (or before it) on some rank; the message
+                names where and the ranks.
+            RuntimeError: another rank raised an error other than an OOM.
+            Exception: this rank's own error other than an OOM, unchanged.
+
+        Example:
+            >>> import torch
+            >>> import elastic_batches as eb
+            >>> model = torch.nn.Linear(3, 1)
+            >>> step = eb.ElasticStep(model)
+            >>> batch = (torch.randn(8, 3), torch.randn(8, 1))
+            >>> _ = step.backward(batch, lambda mb: (model(mb[0]) - mb[1]).pow(2).mean())
+            >>> grads = [p.grad for p in model.parameters()]
+            >>> norm = step.clip_grad_norm_(grads, max_norm=1e-3)
+            >>> bool(norm > 1e-3), bool(torch.cat([g.flatten() for g in grads]).norm() < 1.1e-3)
+            (True, True)
+        """
+        status, error, total_sq = Status.OK, failed, 0.0
+        if failed is not None:
+            status = status_of(failed)
+        else:
+            try:
+                total_sq = self.sync.local_grad_sq_norm(grads)
+            except Exception as err:
+                status, error = status_of(err), err
+        verdict = self.sync.agree(status, total_sq, float(failed is not None))  # FSDP2: sums the shards' parts
+        _raise_if_failed(verdict, error, failed_where if verdict.sums[1] else "the gradient norm")
+        if not self.sync.replicated:
+            total_sq = verdict.sums[0]
+        coefficient = max_norm / (math.sqrt(total_sq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coefficient)
+        return torch.tensor(math.sqrt(total_sq), dtype=torch.float64)
 
     def _run(self, mb: Microbatch, loss_fn: LossFn, unwrap: bool, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.device is not None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -195,18 +197,38 @@ def test_logged_values_are_the_full_batch_values_and_a_retry_leaves_nothing() ->
     assert auto_logger.values("train_rows") == [10.0] * 8
 
 
+_CHANGE = (
+    "elastic_batches: train split count 1 -> 2 (largest microbatch 5 rows; microbatches of at most 5 rows fit; "
+    "1 OOM retries so far)"
+)
+
+
 def test_elastic_metrics_are_logged_and_each_change_is_an_info_line(caplog: pytest.LogCaptureFixture) -> None:
     recording = RecordingLogger()
     model = Regression(oom={"phase": "backward", "calls": [0]})
-    with caplog.at_level(logging.INFO, logger="elastic_batches.lightning.callback"):
-        fit(Trainer, model, loader(10), logger=recording, log_every_n_steps=1, **AUTO)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer = fit(Trainer, model, loader(10), logger=recording, log_every_n_steps=1, **AUTO)
     assert recording.values("elastic/split_count") == [2.0] * 8
     assert recording.values("elastic/microbatch_size") == [5.0] * 8
     assert recording.values("elastic/oom_retries") == [1.0] * 8
-    changes = [r.getMessage() for r in caplog.records if r.name == "elastic_batches.lightning.callback"]
-    assert changes == [
-        "elastic_batches: train split count 1 -> 2 (largest microbatch that fits: 5 rows; 1 OOM retries so far)"
-    ]
+    assert trainer.progress_bar_metrics["elastic/split_count"] == 2.0  # shown in the progress bar
+    changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("elastic_batches:")]
+    assert changes == [_CHANGE]  # through Lightning's rank-zero messages
+
+
+def test_a_change_of_split_count_reaches_the_console_without_any_logging_set_up() -> None:
+    """As Lightning's own "GPU available" lines do, in a fresh process where nothing configured logging."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from _lightning_models import Regression, fit, loader
+from elastic_batches.lightning import Trainer
+model = Regression(oom={{"phase": "backward", "calls": [0]}})
+fit(Trainer, model, loader(10), max_epochs=1, accumulate_grad_batches="auto")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _CHANGE in result.stdout + result.stderr
 
 
 def test_training_step_dict_outputs_reach_on_train_batch_end_combined() -> None:

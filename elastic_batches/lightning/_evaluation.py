@@ -15,24 +15,27 @@ from typing import TYPE_CHECKING, Any
 
 from elastic_batches.batch import Microbatch
 from elastic_batches.lightning._outputs import combine_outputs
+from elastic_batches.lightning._stages import STAGE_OF_HOOK, Stages
 from elastic_batches.lightning._unsplittable import cannot_split, take_apart, user_batch
 from elastic_batches.oom import is_oom_error
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from elastic_batches.lightning.callback import ElasticAccumulation
-
-__all__ = ["STAGE_OF_HOOK", "elastic_evaluation_hook"]
-
-# strategy hook -> the stage whose controller splits its batches
-STAGE_OF_HOOK = {"validation_step": "validate", "test_step": "test", "predict_step": "predict"}
+__all__ = ["elastic_evaluation_hook"]
 
 
 def elastic_evaluation_hook(
-    trainer: pl.Trainer, elastic: ElasticAccumulation, hook: str, original: Callable[..., Any]
+    trainer: pl.Trainer, stages: Stages, hook: str, original: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """The replacement of the strategy's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``)."""
+    """The replacement of the strategy's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``).
+
+    Args:
+        trainer: The trainer.
+        stages: Each stage's controller and step (the stage of ``hook`` splits its batches).
+        hook: The strategy hook replaced.
+        original: The strategy's own ``hook``, run on each microbatch.
+    """
     stage = STAGE_OF_HOOK[hook]
 
     def elastic_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -45,8 +48,8 @@ def elastic_evaluation_hook(
         whole, why = take_apart(batch)
         if whole is None:
             return run_whole(user_batch(batch), why, *args, **kwargs)
-        step = elastic.step_for(stage)
-        recorder = elastic.recorder_for(module)
+        step = stages.step(stage)
+        recorder = stages.recorder(module)
         recorder.start_batch()
         ran: list[Microbatch] = []
 
@@ -64,12 +67,12 @@ def elastic_evaluation_hook(
 
         combined = step.evaluate(whole, fn, unwrap=False, combine=combine)
         recorder.replay()
-        elastic.after_evaluation_batch(trainer, stage, len(ran))
+        stages.report(stage, len(ran), max((len(mb) for mb in ran), default=0))
         return combined
 
     def run_whole(batch: Any, why: Exception | None, *args: Any, **kwargs: Any) -> Any:
         where = f"{type(trainer.lightning_module).__name__}.{hook}"
-        count = elastic.controllers[stage].split_count
+        count = stages.controllers[stage].split_count
         if why is not None and count > 1:
             raise cannot_split(where, batch, why, count=count)
         try:

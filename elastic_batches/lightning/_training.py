@@ -24,7 +24,6 @@ the plain Trainer's): :class:`ElasticOptimization` replaces two of its methods o
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
@@ -37,15 +36,15 @@ from torch.optim import Optimizer
 
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.lightning._outputs import combine_outputs
+from elastic_batches.lightning._stages import Stages
 from elastic_batches.lightning._unsplittable import cannot_split, take_apart, user_batch
 from elastic_batches.lightning._zero_grad import ZeroGradAfterFirstStep
+from elastic_batches.lightning.module import count_fn_of, microbatch_hooks_of
 from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, status_of
 from elastic_batches.step import _raise_if_failed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from elastic_batches.lightning.callback import ElasticAccumulation
 
 __all__ = ["ElasticClosure", "ElasticOptimization", "WholeClosure"]
 
@@ -98,13 +97,13 @@ class ElasticOptimization:
 
     Args:
         trainer: The trainer.
-        elastic: The callback that owns the controllers and steps.
+        stages: Each stage's controller and step (the train stage's run the closure).
         loop: ``trainer.fit_loop.epoch_loop.automatic_optimization``.
     """
 
-    def __init__(self, trainer: pl.Trainer, elastic: ElasticAccumulation, loop: _AutomaticOptimization) -> None:
+    def __init__(self, trainer: pl.Trainer, stages: Stages, loop: _AutomaticOptimization) -> None:
         self.trainer = trainer
-        self.elastic = elastic
+        self.stages = stages
         self.loop = loop
         self._norm_voted = False  # this optimizer step reached the gradient norm's vote
         self._lightning = {name: getattr(loop, name) for name in ("_make_closure", "_optimizer_step")}
@@ -140,7 +139,7 @@ class ElasticOptimization:
             where = f"{type(module).__name__}.training_step"
             whole = OrderedDict(kwargs)
             whole["batch"] = user_batch(kwargs["batch"])
-            count = self.elastic.controllers["train"].split_count
+            count = self.stages.controllers["train"].split_count
             if why is not None and count > 1:
                 raise cannot_split(where, whole["batch"], why, count=count)
             return WholeClosure(
@@ -176,7 +175,7 @@ class ElasticOptimization:
             error = err
             # An ElasticOOMError comes from the norm's vote, which told every rank already: nothing more to report.
             status = Status.OK if isinstance(err, ElasticOOMError) else status_of(err)
-        step = self.elastic.step_for("train")  # the one the closure ran (the closure sets its backward_fn again)
+        step = self.stages.step("train")  # the one the closure ran (the closure sets its backward_fn again)
         if error is not None and not self._norm_voted and self._clips_by_norm():
             step.sync.agree(status, 0.0, 1.0)  # failed before clipping: meet the other ranks in the norm's vote
         outcome = step.sync.agree(status)
@@ -203,25 +202,13 @@ class ElasticOptimization:
         """
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            step = self.elastic._steps.get("train")
+            step = self.stages.ran("train")
             if step is None:
                 original(optimizer, clip_val)
                 return
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            status, error, total_sq = Status.OK, None, 0.0
-            try:
-                total_sq = step.sync.local_grad_sq_norm(grads)
-            except Exception as err:
-                status, error = status_of(err), err
             self._norm_voted = True
-            outcome = step.sync.agree(status, total_sq, 0.0)  # 1.0 from a rank that failed before its clipping
-            _raise_if_failed(outcome, error, _WHERE if outcome.sums[1] else "the gradient norm")
-            if not step.sync.replicated:
-                total_sq = outcome.sums[0]
-            coefficient = clip_val / (math.sqrt(total_sq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-            if coefficient < 1.0:
-                with torch.no_grad():
-                    torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coefficient)
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            step.clip_grad_norm_(grads, clip_val, failed_where=_WHERE)
 
         return clip_grad_by_norm
 
@@ -234,7 +221,7 @@ class ElasticOptimization:
     ) -> ClosureResult:
         trainer = self.trainer
         module = trainer.lightning_module
-        elastic = self.elastic
+        stages = self.stages
         values = list(kwargs.values())
         batch_position = list(kwargs).index("batch")
         skip_backward = False  # the microbatch returned None: Lightning calls no backward for it
@@ -243,14 +230,14 @@ class ElasticOptimization:
             if not skip_backward:
                 call._call_strategy_hook(trainer, "backward", loss, optimizer)
 
-        step = elastic.step_for("train", backward_fn=backward_fn)
-        recorder = elastic.recorder_for(module)
+        step = stages.step("train", backward_fn=backward_fn)
+        recorder = stages.recorder(module)
         recorder.start_batch()
         ran: list[Microbatch] = []  # the microbatches of the attempt
         results: list[tuple[Microbatch, dict[str, Any]]] = []  # those that returned a loss, with their extras
         skipped: list[int] = []  # those whose training_step returned None
         shapes: list[torch.Size] = []  # the shape of a one-element loss that is not a scalar
-        microbatch_hooks = elastic.microbatch_hooks(module)
+        microbatch_hooks = microbatch_hooks_of(module)
         zero_grad = None if zero_grad_fn is None else ZeroGradAfterFirstStep(list(module.parameters()), zero_grad_fn)
 
         def loss_fn(mb: Microbatch) -> torch.Tensor:
@@ -303,13 +290,13 @@ class ElasticOptimization:
             return closure_loss
 
         try:
-            loss = step.backward(batch, loss_fn, count_fn=elastic.count_fn(module), unwrap=False)
+            loss = step.backward(batch, loss_fn, count_fn=count_fn_of(module), unwrap=False)
         finally:
             if zero_grad is not None:
                 zero_grad.finish()
         recorder.replay()
         count = ran[0].count if ran else 1
-        elastic.after_train_batch(trainer, module, count, max((len(mb) for mb in ran), default=0), step)
+        stages.report("train", count, max((len(mb) for mb in ran), default=0))
         if skipped:
             return ClosureResult(None)
         extras = [extra for _, extra in results]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -10,22 +9,19 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.controller import SplitController
-from elastic_batches.lightning._evaluation import STAGE_OF_HOOK, elastic_evaluation_hook
-from elastic_batches.lightning._logging import LogRecorder
+from elastic_batches.lightning._evaluation import elastic_evaluation_hook
+from elastic_batches.lightning._stages import STAGE_OF_HOOK, STAGES, Stages
 from elastic_batches.lightning._training import ElasticOptimization
 from elastic_batches.lightning.module import ElasticModule
 from elastic_batches.step import ElasticStep
 
 __all__ = ["STAGES", "ElasticAccumulation", "check_no_batch_size_finder"]
 
-logger = logging.getLogger(__name__)
-
-STAGES = ("train", "validate", "test", "predict")
 _STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "controllers"})
 
@@ -124,11 +120,10 @@ class ElasticAccumulation(Callback):
                 )
         self.accumulate_grad_batches = accumulate_grad_batches
         self.split_evaluation = split_evaluation
-        self.controllers: dict[str, SplitController] = {
-            stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES
-        }
-        self._steps: dict[str, ElasticStep] = {}
-        self._recorder: LogRecorder | None = None
+        self.elastic_stages = Stages(
+            {stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES}
+        )  # what the installed steps, ElasticModule and ElasticDataModule share
+        self.controllers: dict[str, SplitController] = self.elastic_stages.controllers
         self._last_counts = dict.fromkeys(STAGES, 1)
         self._train_metrics: dict[str, float] | None = None
         self._installed: tuple[Trainer, ElasticOptimization] | None = None
@@ -186,8 +181,6 @@ class ElasticAccumulation(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Take the elastic steps out again: the Trainer is as it was before ``setup``."""
         self._uninstall()
-        self._steps.clear()
-        self._recorder = None
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """A run that raised ends without ``teardown``: take the elastic steps out all the same."""
@@ -197,17 +190,19 @@ class ElasticAccumulation(Callback):
         if self._installed is not None and self._installed[0] is trainer:
             return
         self._uninstall()
-        optimization = ElasticOptimization(trainer, self, trainer.fit_loop.epoch_loop.automatic_optimization)
+        stages, strategy = self.elastic_stages, trainer.strategy
+        stages.attach(strategy, self._report)
+        optimization = ElasticOptimization(trainer, stages, trainer.fit_loop.epoch_loop.automatic_optimization)
         optimization.install()
-        strategy = trainer.strategy
         precision = strategy.precision_plugin
         precision.__dict__["clip_grad_by_norm"] = optimization.agreed_clip_grad_by_norm(precision.clip_grad_by_norm)
         if self.split_evaluation:
             for hook in STAGE_OF_HOOK:
-                strategy.__dict__[hook] = elastic_evaluation_hook(trainer, self, hook, getattr(strategy, hook))
+                strategy.__dict__[hook] = elastic_evaluation_hook(trainer, stages, hook, getattr(strategy, hook))
         self._installed = (trainer, optimization)
 
     def _uninstall(self) -> None:
+        self.elastic_stages.detach()
         if self._installed is None:
             return
         trainer, optimization = self._installed
@@ -220,76 +215,34 @@ class ElasticAccumulation(Callback):
     # -- what the steps use -------------------------------------------------------------------
 
     def step_for(self, stage: str, *, backward_fn: Callable[[torch.Tensor], Any] | None = None) -> ElasticStep:
-        """The :class:`ElasticStep` of ``stage`` for the strategy's current model (DDP-wrapped or not)."""
-        assert self._installed is not None, "ElasticAccumulation.step_for is called by the installed steps only"
-        model = self._installed[0].strategy.model
-        assert model is not None, "the strategy has no model yet"
-        step = self._steps.get(stage)
-        if step is None or step.model is not model:
-            step = self._steps[stage] = ElasticStep(model, controller=self.controllers[stage])
-        step.controller = self.controllers[stage]
-        step.backward_fn = backward_fn
-        return step
+        """The :class:`ElasticStep` of ``stage`` for the strategy's current model (DDP-wrapped or not).
 
-    def recorder_for(self, module: LightningModule) -> LogRecorder:
-        """The recorder of ``module``'s ``self.log`` calls (one per module)."""
-        if self._recorder is None or self._recorder.module is not module:
-            self._recorder = LogRecorder(module)
-        return self._recorder
-
-    @staticmethod
-    def count_fn(module: LightningModule) -> Callable[[Any], Any] | None:
-        """``module.elastic_count`` when an :class:`ElasticModule` defines it, else ``None`` (weights by rows)."""
-        if isinstance(module, ElasticModule) and is_overridden("elastic_count", module, ElasticModule):
-            return module.elastic_count
-        return None
-
-    @staticmethod
-    def microbatch_hooks(module: LightningModule) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-        """An :class:`ElasticModule`'s per-microbatch hooks (start, end), else ``None``."""
-        if isinstance(module, ElasticModule):
-            return module.on_train_microbatch_start, module.on_train_microbatch_end
-        return None
-
-    def after_train_batch(
-        self, trainer: Trainer, module: LightningModule, count: int, size: int, step: ElasticStep
-    ) -> None:
-        """Note what the batch used (logged in ``on_train_batch_end``).
-
-        Args:
-            trainer: The trainer.
-            module: The LightningModule.
-            count: Microbatches the batch ran as.
-            size: Rows of its largest microbatch.
-            step: The step that ran it.
+        Raises:
+            RuntimeError: the callback is not installed (outside a run).
         """
-        controller = step.controller
-        self._train_metrics = {
-            "elastic/split_count": float(count),
-            "elastic/microbatch_size": float(size),
-            "elastic/oom_retries": float(controller.retry_count),
-        }
-        self._note_change(trainer, "train", count, controller)
+        return self.elastic_stages.step(stage, backward_fn=backward_fn)
 
-    def after_evaluation_batch(self, trainer: Trainer, stage: str, count: int) -> None:
-        """Note the count an evaluation batch used (an INFO line when it changes)."""
-        self._note_change(trainer, stage, count, self.controllers[stage])
-
-    def _note_change(self, trainer: Trainer, stage: str, count: int, controller: SplitController) -> None:
+    def _report(self, stage: str, count: int, size: int) -> None:
+        """A batch of ``stage`` ran as ``count`` microbatches of at most ``size`` rows: metrics and a change's line."""
+        controller = self.controllers[stage]
+        if stage == "train":
+            self._train_metrics = {
+                "elastic/split_count": float(count),
+                "elastic/microbatch_size": float(size),
+                "elastic/oom_retries": float(controller.retry_count),
+            }
         before = self._last_counts[stage]
         if count == before:
             return
         self._last_counts[stage] = count
-        if trainer.is_global_zero:
-            logger.info(
-                "elastic_batches: %s split count %d -> %d "
-                "(largest microbatch that fits: %s rows; %d OOM retries so far)",
-                stage,
-                before,
-                count,
-                controller.microbatch_size,
-                controller.retry_count,
-            )
+        unit = "rows" if controller.unit == "rows" else "tokens"
+        capacity = controller.microbatch_size
+        limit = "no OOM yet" if capacity is None else f"microbatches of at most {capacity} {unit} fit"
+        # Lightning's own rank-zero messages reach the console without any logging set up: so does this one.
+        rank_zero_info(
+            f"elastic_batches: {stage} split count {before} -> {count} (largest microbatch {size} rows; {limit}; "
+            f"{controller.retry_count} OOM retries so far)"
+        )
 
     # -- Lightning hooks ----------------------------------------------------------------------
 
@@ -326,8 +279,8 @@ class ElasticAccumulation(Callback):
             return
         if not trainer._logger_connector.should_update_logs:
             return
-        for name, value in self._train_metrics.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+        for name, value in self._train_metrics.items():  # the split count in the progress bar too
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=name.endswith("count"))
 
     # -- state --------------------------------------------------------------------------------
 
@@ -338,10 +291,26 @@ class ElasticAccumulation(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the controllers from :meth:`state_dict` (on ``trainer.fit(..., ckpt_path=...)``).
 
+        Every stage's state is checked before any is applied.
+
         Raises:
-            ValueError: keys are missing or unexpected, or the version is unknown.
+            ValueError: keys are missing or unexpected, the version is unknown, stages are
+                missing or unknown (both are named), or a stage's controller state is refused
+                (its message names the field); the controllers are then unchanged.
         """
         check_state_dict("ElasticAccumulation", state_dict, _STATE_KEYS, _STATE_VERSION)
-        for stage, state in state_dict["controllers"].items():
-            if stage in self.controllers:
-                self.controllers[stage].load_state_dict(state)
+        states = state_dict["controllers"]
+        missing, unknown = sorted(set(STAGES) - set(states)), sorted(set(states) - set(STAGES))
+        if missing or unknown:
+            raise ValueError(
+                f"ElasticAccumulation.load_state_dict: stages missing {missing}, unknown {unknown} in "
+                f"state['controllers']; a state_dict() has one controller state for each of {list(STAGES)}"
+            )
+        for stage in STAGES:  # a trial load of each, into a copy: a bad one is refused before any is applied
+            trial = SplitController(unit=self.controllers[stage].unit)
+            try:
+                trial.load_state_dict(states[stage])
+            except ValueError as err:
+                raise ValueError(f"ElasticAccumulation.load_state_dict: the {stage!r} stage: {err}") from err
+        for stage in STAGES:
+            self.controllers[stage].load_state_dict(states[stage])

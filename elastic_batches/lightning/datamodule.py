@@ -7,6 +7,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from elastic_batches.controller import SplitController
+from elastic_batches.lightning._stages import STAGES, stages_of
 from elastic_batches.loader import MicrobatchingDataLoader
 
 __all__ = ["ElasticDataModule"]
@@ -48,13 +49,11 @@ class ElasticDataModule:
         Raises:
             ValueError: unknown stage.
         """
-        from elastic_batches.lightning.callback import STAGES, ElasticAccumulation
-
         if stage not in STAGES:
             raise ValueError(f"{type(self).__name__}.elastic_controller: unknown stage {stage!r}; use one of {STAGES}")
-        elastic = ElasticAccumulation.find(getattr(self, "trainer", None))
-        if elastic is not None:
-            return elastic.controllers[stage]
+        stages = stages_of(getattr(self, "trainer", None))
+        if stages is not None:
+            return stages.controllers[stage]
         own: dict[str, SplitController] = self.__dict__.setdefault("_elastic_own_controllers", {})
         return own.setdefault(stage, SplitController())
 

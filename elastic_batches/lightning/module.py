@@ -6,12 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from elastic_batches.batch import Microbatch
 from elastic_batches.controller import SplitController
+from elastic_batches.lightning._stages import STAGES, stages_of
 from elastic_batches.step import ElasticStep
 
-__all__ = ["ElasticModule"]
+__all__ = ["ElasticModule", "count_fn_of", "microbatch_hooks_of"]
 
 
 class ElasticModule:
@@ -65,11 +67,9 @@ class ElasticModule:
         Those of the Trainer's ``ElasticAccumulation`` callback once the module is attached to a
         Trainer that has one; before that, the module's own (handed to nobody).
         """
-        from elastic_batches.lightning.callback import STAGES, ElasticAccumulation
-
-        elastic = ElasticAccumulation.find(getattr(self, "_trainer", None))
-        if elastic is not None:
-            return elastic.controllers
+        stages = stages_of(getattr(self, "_trainer", None))
+        if stages is not None:
+            return stages.controllers
         own: dict[str, SplitController] = self.__dict__.setdefault("_elastic_own_controllers", {})
         for stage in STAGES:
             own.setdefault(stage, SplitController())
@@ -109,16 +109,28 @@ class ElasticModule:
         The Trainer's callback's when it has one (``clip_gradients`` then agrees on the norm
         across ranks, as in automatic optimization); otherwise this module's own.
         """
-        from elastic_batches.lightning.callback import ElasticAccumulation
-
         trainer = self.trainer  # type: ignore[attr-defined]
         backward_fn = self.manual_backward  # type: ignore[attr-defined]
-        elastic = ElasticAccumulation.find(trainer)
-        if elastic is not None:
-            return elastic.step_for("train", backward_fn=backward_fn)
+        stages = stages_of(trainer)
+        if stages is not None:
+            return stages.step("train", backward_fn=backward_fn)
         model, controller = trainer.strategy.model, self.elastic_controllers["train"]
         step: ElasticStep | None = self.__dict__.get("_elastic_own_step")
         if step is None or step.model is not model or step.controller is not controller:
             step = self.__dict__["_elastic_own_step"] = ElasticStep(model, controller=controller)
         step.backward_fn = backward_fn
         return step
+
+
+def count_fn_of(module: Any) -> Callable[[Any], Any] | None:
+    """``module.elastic_count`` when an :class:`ElasticModule` overrides it, else ``None`` (weights by rows)."""
+    if isinstance(module, ElasticModule) and is_overridden("elastic_count", module, ElasticModule):
+        return module.elastic_count
+    return None
+
+
+def microbatch_hooks_of(module: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """An :class:`ElasticModule`'s per-microbatch hooks (start, end), else ``None``."""
+    if isinstance(module, ElasticModule):
+        return module.on_train_microbatch_start, module.on_train_microbatch_end
+    return None
