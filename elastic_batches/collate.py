@@ -12,73 +12,23 @@ behind: use module-level functions with ``spawn``).
 
 from __future__ import annotations
 
-import pickle
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+import copy
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
 
-from torch.utils.data._utils.collate import collate, default_collate_fn_map, default_convert
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data._utils.collate import collate, default_convert
 
+from elastic_batches import registry
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
-from elastic_batches.padding import PadValue, check_pad_values, collate_padded
-from elastic_batches.structures import install_batch_types, registered_batch_types
+from elastic_batches.padding import Padding, PadValue, check_pad_values
+from elastic_batches.registry import register_collate
+from elastic_batches.structures import flatten
 from elastic_batches.trim import TrimPadding
 
-__all__ = ["ElasticCollate", "register_collate"]
-
-_COLLATE_FNS: dict[type, Callable[..., Any]] = {}
-
-_V = TypeVar("_V")
-
-
-def _picklable(registry: Mapping[type, _V]) -> dict[type, _V]:
-    """The entries that can travel to a ``spawn`` worker (lambdas and local functions cannot)."""
-    kept = {}
-    for cls, value in registry.items():
-        try:
-            pickle.dumps((cls, value))
-        except Exception:  # noqa: BLE001 - any pickling failure means the entry stays behind
-            continue
-        kept[cls] = value
-    return kept
-
-
-def register_collate(cls: type, collate_fn: Callable[..., Any]) -> None:
-    """Collate samples of type ``cls`` with ``collate_fn`` in the loader's default collate.
-
-    Follows torch's ``collate_fn_map`` convention: ``collate_fn(samples, *, collate_fn_map=None)``
-    receives the list of one field's values across the samples and returns the batched value.
-    Applies to loaders that use the default collate (no ``collate_fn`` of their own), in the
-    main process and in workers, ``spawn`` included. Combine it with
-    :func:`register_batch_type` when the batched value is of a type the library cannot split.
-
-    Args:
-        cls: The sample field type (matched with ``isinstance``).
-        collate_fn: The function that batches a list of such values.
-
-    Raises:
-        TypeError: ``cls`` is not a class, or ``collate_fn`` is not callable.
-
-    Example:
-        >>> import torch
-        >>> import elastic_batches as eb
-        >>> class Point:
-        ...     def __init__(self, xy):
-        ...         self.xy = xy
-        >>> eb.register_collate(Point, lambda points, *, collate_fn_map=None: torch.stack([p.xy for p in points]))
-        >>> eb.ElasticCollate()([Point(torch.zeros(2)), Point(torch.ones(2))]).data["batch"].shape
-        torch.Size([2, 2])
-    """
-    if not isinstance(cls, type):
-        raise TypeError(f"register_collate expects a class, got {cls!r}")
-    if not callable(collate_fn):
-        raise TypeError(f"register_collate({cls.__qualname__}): collate_fn must be callable, got {collate_fn!r}")
-    _COLLATE_FNS[cls] = collate_fn
-
-
-def _install_collate_fns(registry: Mapping[type, Callable[..., Any]]) -> None:
-    for cls, fn in registry.items():
-        _COLLATE_FNS.setdefault(cls, fn)
+__all__ = ["ElasticCollate", "collate_padded", "register_collate"]
 
 
 class ElasticCollate:
@@ -93,7 +43,7 @@ class ElasticCollate:
             (``batch_size=None``).
         pad_values: Names the per-sample fields of varying length and the value to pad each
             with: they are padded to the batch's longest sample, and each microbatch is later cut
-            to its own (see :func:`elastic_batches.padding.collate_padded`). Samples must then
+            to its own (see :func:`collate_padded`). Samples must then
             be mappings; the other fields go through ``collate_fn``. ``None``: no padding.
         sort_by_length: With ``pad_values``, sort each batch's samples longest first, so that
             microbatches hold samples of similar length (default ``True``).
@@ -155,10 +105,7 @@ class ElasticCollate:
         if self.collate_fn is not None:
             return self.collate_fn(samples)
         if self.auto_collation:
-            collate_fn_map: dict[Any, Callable[..., Any]] = default_collate_fn_map
-            if _COLLATE_FNS:
-                collate_fn_map = {**default_collate_fn_map, **_COLLATE_FNS}
-            return collate(samples, collate_fn_map=collate_fn_map)
+            return collate(samples, collate_fn_map=registry.collate_fn_map())
         return default_convert(samples)
 
     def __call__(self, samples: Any) -> ElasticBatch:
@@ -179,15 +126,127 @@ class ElasticCollate:
             "pad_values": self.pad_values,
             "sort_by_length": self.sort_by_length,
             "shape_buckets": self.shape_buckets,
-            "batch_types": _picklable(registered_batch_types()),
-            "collate_fns": _picklable(_COLLATE_FNS),
+            "registries": registry.snapshot(),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        install_batch_types(state["batch_types"])
-        _install_collate_fns(state["collate_fns"])
+        registry.install(state["registries"])
         self.collate_fn = state["collate_fn"]
         self.auto_collation = state["auto_collation"]
         self.pad_values = state["pad_values"]
         self.sort_by_length = state["sort_by_length"]
         self.shape_buckets = state["shape_buckets"]
+
+
+def collate_padded(
+    samples: Sequence[Any],
+    pad_values: Mapping[Any, PadValue],
+    *,
+    collate_rest: Callable[[list[Any]], Any],
+    sort_by_length: bool = True,
+    buckets: ShapeBuckets | None = None,
+) -> ElasticBatch:
+    """Collate mapping samples whose ``pad_values`` fields vary in length into an ``ElasticBatch``.
+
+    Args:
+        samples: The batch's samples, each a mapping holding every ``pad_values`` key.
+        pad_values: Field name -> pad value.
+        collate_rest: Collates the samples without their padded fields (the loader's
+            ``collate_fn`` or the default collate); it must return a mapping.
+        sort_by_length: Sort the samples longest first, so that each microbatch holds samples of
+            similar length.
+        buckets: Rounding of microbatch shapes for ``torch.compile``.
+
+    Returns:
+        An :class:`ElasticBatch` whose user structure is a dict: padded fields (dense, padded to
+        the batch's longest sample) and the other fields, in the samples' key order.
+
+    Raises:
+        TypeError: a sample is not a mapping, ``collate_rest`` returned something else, or a
+            padded value is not a sequence of numbers.
+        KeyError: a sample lacks a padded field.
+        ValueError: samples of one field differ in their trailing dimensions or dtypes.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import default_collate
+        >>> from elastic_batches.collate import collate_padded
+        >>> samples = [{"ids": torch.tensor([1]), "y": 0}, {"ids": torch.tensor([2, 3, 4]), "y": 1}]
+        >>> batch = collate_padded(samples, {"ids": 0}, collate_rest=default_collate)
+        >>> batch.unwrap()  # longest first
+        {'ids': tensor([[2, 3, 4],
+                [1, 0, 0]]), 'y': tensor([1, 0])}
+        >>> [mb.unwrap()["ids"].tolist() for mb in batch.microbatches(2)]
+        [[[2, 3, 4]], [[1]]]
+    """
+    samples = list(samples)
+    for index, sample in enumerate(samples):
+        if not isinstance(sample, Mapping):
+            raise TypeError(
+                f"pad_values needs samples that are mappings of fields (dicts), but sample {index} is a "
+                f"{type(sample).__qualname__}: return dicts from the dataset, or drop pad_values"
+            )
+        missing = [key for key in pad_values if key not in sample]
+        if missing:
+            raise KeyError(
+                f"sample {index} has no field(s) {missing} named in pad_values; its fields are {list(sample.keys())}"
+            )
+    sequences = {key: [_as_sequence(s[key], key, i) for i, s in enumerate(samples)] for key in pad_values}
+    lengths = {key: [t.shape[0] for t in seqs] for key, seqs in sequences.items()}
+    if sort_by_length and len(samples) > 1:
+        row_lengths = [max(row) for row in zip(*lengths.values(), strict=True)]
+        order = sorted(range(len(samples)), key=lambda i: -row_lengths[i])
+        samples = [samples[i] for i in order]
+        sequences = {key: [seqs[i] for i in order] for key, seqs in sequences.items()}
+        lengths = {key: [values[i] for i in order] for key, values in lengths.items()}
+    padded = {key: _pad(key, seqs, pad_values[key]) for key, seqs in sequences.items()}
+    rest = collate_rest([{k: v for k, v in s.items() if k not in pad_values} for s in samples])
+    if type(rest) is dict:
+        merged: Any = {k: padded[k] if k in padded else rest[k] for k in samples[0] if k in padded or k in rest}
+        merged.update((k, v) for k, v in rest.items() if k not in merged)
+    elif isinstance(rest, MutableMapping):
+        merged = copy.copy(rest)
+        merged.update(padded)
+    else:
+        raise TypeError(
+            f"with pad_values, collate_fn must return a mapping of the samples' other fields, got "
+            f"{type(rest).__qualname__}: return a dict, or drop pad_values and pad in collate_fn"
+        )
+    fields, spec, _ = flatten(merged)
+    padding = Padding(
+        values={str(key): value for key, value in pad_values.items()},
+        lengths={str(key): tuple(values) for key, values in lengths.items()},
+        buckets=buckets,
+    )
+    return ElasticBatch.from_fields(fields, spec, padding=padding)
+
+
+def _as_sequence(value: Any, key: Any, index: int) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        tensor = value
+    else:
+        try:
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(
+                f"sample {index}: padded field {key!r} holds a {type(value).__qualname__}; pad_values fields must be "
+                "tensors, arrays or lists of numbers whose first dimension varies"
+            ) from err
+    if tensor.dim() == 0:
+        raise ValueError(
+            f"sample {index}: padded field {key!r} is a scalar; pad_values fields must have at least one dimension "
+            "(the one whose length varies): remove it from pad_values"
+        )
+    return tensor
+
+
+def _pad(key: Any, sequences: list[torch.Tensor], value: PadValue) -> torch.Tensor:
+    first = sequences[0]
+    for index, tensor in enumerate(sequences):
+        if tensor.shape[1:] != first.shape[1:] or tensor.dtype != first.dtype:
+            raise ValueError(
+                f"padded field {key!r}: sample {index} has trailing shape {tuple(tensor.shape[1:])} and dtype "
+                f"{tensor.dtype}, the first sample {tuple(first.shape[1:])} and {first.dtype}; only the first "
+                "dimension may vary"
+            )
+    return pad_sequence(sequences, batch_first=True, padding_value=value)

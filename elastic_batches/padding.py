@@ -18,20 +18,17 @@ The rules (``docs/variable_length.md`` walks through them):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import numbers
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
-from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
-from elastic_batches.structures import Fields, flatten, slice_fields
+from elastic_batches.structures import Fields, slice_fields
 
-__all__ = ["Padding", "check_pad_values", "collate_padded"]
+__all__ = ["Padding", "PadValue", "check_pad_values"]
 
 PadValue = bool | int | float
 
@@ -74,7 +71,7 @@ class Padding:
 
     Example:
         >>> import torch
-        >>> from elastic_batches import Padding
+        >>> from elastic_batches.padding import Padding
         >>> ids = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 0, 0]])
         >>> padding = Padding(values={"ids": 0}, lengths={"ids": (3, 2, 1)})
         >>> padding.row_lengths()
@@ -132,117 +129,3 @@ class Padding:
                 "or use ShapeBuckets(rows=None)"
             )
         return padded
-
-
-def _as_sequence(value: Any, key: Any, index: int) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        tensor = value
-    else:
-        try:
-            tensor = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(
-                f"sample {index}: padded field {key!r} holds a {type(value).__qualname__}; pad_values fields must be "
-                "tensors, arrays or lists of numbers whose first dimension varies"
-            ) from err
-    if tensor.dim() == 0:
-        raise ValueError(
-            f"sample {index}: padded field {key!r} is a scalar; pad_values fields must have at least one dimension "
-            "(the one whose length varies): remove it from pad_values"
-        )
-    return tensor
-
-
-def collate_padded(
-    samples: Sequence[Any],
-    pad_values: Mapping[Any, PadValue],
-    *,
-    collate_rest: Callable[[list[Any]], Any],
-    sort_by_length: bool = True,
-    buckets: ShapeBuckets | None = None,
-) -> ElasticBatch:
-    """Collate mapping samples whose ``pad_values`` fields vary in length into an ``ElasticBatch``.
-
-    Args:
-        samples: The batch's samples, each a mapping holding every ``pad_values`` key.
-        pad_values: Field name -> pad value.
-        collate_rest: Collates the samples without their padded fields (the loader's
-            ``collate_fn`` or the default collate); it must return a mapping.
-        sort_by_length: Sort the samples longest first, so that each microbatch holds samples of
-            similar length.
-        buckets: Rounding of microbatch shapes for ``torch.compile``.
-
-    Returns:
-        An :class:`ElasticBatch` whose user structure is a dict: padded fields (dense, padded to
-        the batch's longest sample) and the other fields, in the samples' key order.
-
-    Raises:
-        TypeError: a sample is not a mapping, ``collate_rest`` returned something else, or a
-            padded value is not a sequence of numbers.
-        KeyError: a sample lacks a padded field.
-        ValueError: samples of one field differ in their trailing dimensions or dtypes.
-
-    Example:
-        >>> import torch
-        >>> from torch.utils.data import default_collate
-        >>> from elastic_batches.padding import collate_padded
-        >>> samples = [{"ids": torch.tensor([1]), "y": 0}, {"ids": torch.tensor([2, 3, 4]), "y": 1}]
-        >>> batch = collate_padded(samples, {"ids": 0}, collate_rest=default_collate)
-        >>> batch.unwrap()  # longest first
-        {'ids': tensor([[2, 3, 4],
-                [1, 0, 0]]), 'y': tensor([1, 0])}
-        >>> [mb.unwrap()["ids"].tolist() for mb in batch.microbatches(2)]
-        [[[2, 3, 4]], [[1]]]
-    """
-    samples = list(samples)
-    for index, sample in enumerate(samples):
-        if not isinstance(sample, Mapping):
-            raise TypeError(
-                f"pad_values needs samples that are mappings of fields (dicts), but sample {index} is a "
-                f"{type(sample).__qualname__}: return dicts from the dataset, or drop pad_values"
-            )
-        missing = [key for key in pad_values if key not in sample]
-        if missing:
-            raise KeyError(
-                f"sample {index} has no field(s) {missing} named in pad_values; its fields are {list(sample.keys())}"
-            )
-    sequences = {key: [_as_sequence(s[key], key, i) for i, s in enumerate(samples)] for key in pad_values}
-    lengths = {key: [t.shape[0] for t in seqs] for key, seqs in sequences.items()}
-    if sort_by_length and len(samples) > 1:
-        row_lengths = [max(row) for row in zip(*lengths.values(), strict=True)]
-        order = sorted(range(len(samples)), key=lambda i: -row_lengths[i])
-        samples = [samples[i] for i in order]
-        sequences = {key: [seqs[i] for i in order] for key, seqs in sequences.items()}
-        lengths = {key: [values[i] for i in order] for key, values in lengths.items()}
-    padded = {key: _pad(key, seqs, pad_values[key]) for key, seqs in sequences.items()}
-    rest = collate_rest([{k: v for k, v in s.items() if k not in pad_values} for s in samples])
-    if type(rest) is dict:
-        merged: Any = {k: padded[k] if k in padded else rest[k] for k in samples[0] if k in padded or k in rest}
-        merged.update((k, v) for k, v in rest.items() if k not in merged)
-    elif isinstance(rest, MutableMapping):
-        merged = copy.copy(rest)
-        merged.update(padded)
-    else:
-        raise TypeError(
-            f"with pad_values, collate_fn must return a mapping of the samples' other fields, got "
-            f"{type(rest).__qualname__}: return a dict, or drop pad_values and pad in collate_fn"
-        )
-    fields, spec, _ = flatten(merged)
-    padding = Padding(
-        values={str(key): value for key, value in pad_values.items()},
-        lengths={str(key): tuple(values) for key, values in lengths.items()},
-        buckets=buckets,
-    )
-    return ElasticBatch.from_fields(fields, spec, padding=padding)
-
-
-def _pad(key: Any, sequences: list[torch.Tensor], value: PadValue) -> torch.Tensor:
-    first = sequences[0]
-    for index, tensor in enumerate(sequences):
-        if tensor.shape[1:] != first.shape[1:] or tensor.dtype != first.dtype:
-            raise ValueError(
-                f"padded field {key!r}: sample {index} has trailing shape {tuple(tensor.shape[1:])} and dtype "
-                f"{tensor.dtype}, the first sample {tuple(first.shape[1:])} and {first.dtype}; only the first "
-                "dimension may vary"
-            )
-    return pad_sequence(sequences, batch_first=True, padding_value=value)

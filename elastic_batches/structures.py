@@ -30,10 +30,12 @@ import itertools
 import numbers
 import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
+
+from elastic_batches.registry import register_batch_type, registration_for
 
 __all__ = [
     "BatchSpec",
@@ -41,7 +43,6 @@ __all__ = [
     "as_tensordict",
     "constant_tensors",
     "flatten",
-    "from_tensordict",
     "leading_rows",
     "rebuild",
     "register_batch_type",
@@ -52,79 +53,6 @@ __all__ = [
 
 Fields = dict[str, Any]
 """Flat fields of a batch: key -> tensor, TensorDict, tensorclass or per-sample list, all ``B`` rows long."""
-
-
-class _Registration(NamedTuple):
-    to_tensordict: Callable[[Any], Mapping[str, Any]]
-    from_tensordict: Callable[[dict[str, Any]], Any]
-
-
-_BATCH_TYPES: dict[type, _Registration] = {}
-
-
-def register_batch_type(
-    cls: type,
-    *,
-    to_tensordict: Callable[[Any], Mapping[str, Any]],
-    from_tensordict: Callable[[dict[str, Any]], Any],
-) -> None:
-    """Teach elastic_batches to split a batch class it cannot take apart itself.
-
-    Registrations made in ``__main__`` reach DataLoader workers, also with the ``spawn`` start
-    method: the loader's collate object carries them.
-
-    Args:
-        cls: The batch class. Subclasses use the registration of their nearest registered base.
-        to_tensordict: ``obj -> mapping`` of fields: tensors with the batch as first dimension,
-            per-sample lists, nested structures or values to broadcast.
-        from_tensordict: ``fields -> obj``; receives a plain ``dict`` holding the same keys, each
-            cut to one microbatch's rows, and rebuilds the object.
-
-    Raises:
-        TypeError: ``cls`` is not a class, or a converter is not callable.
-
-    Example:
-        >>> import torch
-        >>> import elastic_batches as eb
-        >>> class Pair:
-        ...     def __init__(self, x, y):
-        ...         self.x, self.y = x, y
-        >>> eb.register_batch_type(
-        ...     Pair,
-        ...     to_tensordict=lambda p: {"x": p.x, "y": p.y},
-        ...     from_tensordict=lambda f: Pair(f["x"], f["y"]),
-        ... )
-        >>> batch = eb.ElasticBatch.wrap(Pair(torch.zeros(4, 2), torch.ones(4)))
-        >>> [mb.unwrap().x.shape[0] for mb in batch.microbatches(2)]
-        [2, 2]
-    """
-    if not isinstance(cls, type):
-        raise TypeError(f"register_batch_type expects a class, got {cls!r}")
-    for name, fn in (("to_tensordict", to_tensordict), ("from_tensordict", from_tensordict)):
-        if not callable(fn):
-            raise TypeError(f"register_batch_type({cls.__qualname__}): {name} must be callable, got {fn!r}")
-    _BATCH_TYPES[cls] = _Registration(to_tensordict, from_tensordict)
-
-
-def registered_batch_types() -> dict[type, _Registration]:
-    """A copy of the batch-type registry (carried to DataLoader workers by the collate object)."""
-    return dict(_BATCH_TYPES)
-
-
-def install_batch_types(registry: Mapping[type, _Registration]) -> None:
-    """Merge a registry snapshot into this process's registry (used in DataLoader workers)."""
-    for cls, registration in registry.items():
-        _BATCH_TYPES.setdefault(cls, registration)
-
-
-def _registration_for(cls: type) -> _Registration | None:
-    if not _BATCH_TYPES:
-        return None  # the common case, on every field of every batch
-    for base in cls.__mro__:
-        registration = _BATCH_TYPES.get(base)
-        if registration is not None:
-            return registration
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +104,7 @@ class _Registered:
 class BatchSpec:
     """How to rebuild a user's batch structure around the fields of a TensorDict.
 
-    Produced by :func:`to_tensordict`, consumed by :func:`from_tensordict`; picklable.
+    Produced by :func:`flatten` and :func:`to_tensordict`, consumed by :func:`rebuild`; picklable.
     """
 
     root: Any
@@ -198,7 +126,7 @@ def _is_container(value: Any) -> bool:
         isinstance(value, (torch.Tensor, Mapping, tuple, list, TensorDictBase))
         or is_tensorclass(value)
         or (dataclasses.is_dataclass(value) and not isinstance(value, type))
-        or _registration_for(type(value)) is not None
+        or registration_for(type(value)) is not None
     )
 
 
@@ -206,7 +134,7 @@ def _holds_tensor(value: Any) -> bool:
     """Whether ``value`` holds a tensor, TensorDict, tensorclass or registered batch at any depth."""
     if isinstance(value, (torch.Tensor, TensorDictBase)) or is_tensorclass(value):
         return True
-    if _registration_for(type(value)) is not None:
+    if registration_for(type(value)) is not None:
         return True
     if isinstance(value, Mapping):
         return any(_holds_tensor(v) for v in value.values())
@@ -257,7 +185,7 @@ class _Flattener:
             return self._tensor(value, path)
         if kind is dict:
             return self._visit_mapping(value, path, template=None)
-        registration = _registration_for(kind)
+        registration = registration_for(kind)
         if registration is not None:
             fields = registration.to_tensordict(value)
             if not isinstance(fields, Mapping):
@@ -385,7 +313,7 @@ def _flatten_tensors(batch: Any) -> tuple[Fields, BatchSpec, int] | None:
         keys = tuple(str(index) for index in range(len(values)))
     else:
         return None
-    if not all(type(value) is torch.Tensor and value.dim() for value in values) or _registration_for(kind):
+    if not all(type(value) is torch.Tensor and value.dim() for value in values) or registration_for(kind):
         return None
     rows = values[0].shape[0]
     if any(value.shape[0] != rows for value in values):
@@ -459,7 +387,7 @@ def leading_rows(batch: Any) -> int | None:
         first = batch[0]
     else:
         first = batch
-    if type(first) is not torch.Tensor or not first.dim() or _registration_for(kind) is not None:
+    if type(first) is not torch.Tensor or not first.dim() or registration_for(kind) is not None:
         return None
     return int(first.shape[0])
 
@@ -517,39 +445,32 @@ def to_tensordict(batch: Any) -> tuple[TensorDict, BatchSpec]:
 
     Example:
         >>> import torch
-        >>> from elastic_batches.structures import to_tensordict, from_tensordict
+        >>> from elastic_batches.structures import rebuild, to_tensordict
         >>> fields, spec = to_tensordict({"x": torch.zeros(3, 2), "text": ["a", "b", "c"], "lr": 0.1})
         >>> fields.batch_size
         torch.Size([3])
-        >>> from_tensordict(fields[1:], spec)["text"]
+        >>> rebuild(fields[1:], spec)["text"]
         ['b', 'c']
     """
     fields, spec, rows = flatten(batch)
     return as_tensordict(fields, rows), spec
 
 
-def from_tensordict(fields: TensorDictBase, spec: BatchSpec) -> Any:
-    """Rebuild the user's structure around ``fields`` (the whole batch or a row slice of it).
+def rebuild(fields: Fields | TensorDictBase, spec: BatchSpec) -> Any:
+    """The user's structure around ``fields``: the whole batch or a row slice of it.
 
     Args:
-        fields: A TensorDict produced by :func:`to_tensordict`, or any row slice of it.
-        spec: The spec :func:`to_tensordict` returned with it.
-
-    Returns:
-        The batch in the user's own structure, holding ``fields``' rows.
+        fields: The flat fields (from :func:`flatten`) or the ``TensorDict`` (from
+            :func:`to_tensordict`), or any row slice of them.
+        spec: The spec returned with them.
 
     Example:
         >>> import torch
-        >>> from elastic_batches.structures import to_tensordict, from_tensordict
+        >>> from elastic_batches.structures import rebuild, to_tensordict
         >>> fields, spec = to_tensordict([torch.arange(4), torch.arange(4) * 10])
-        >>> from_tensordict(fields[:2], spec)
+        >>> rebuild(fields[:2], spec)
         [tensor([0, 1]), tensor([ 0, 10])]
     """
-    return rebuild(fields, spec)
-
-
-def rebuild(fields: Fields | TensorDictBase, spec: BatchSpec) -> Any:
-    """The user's structure around ``fields`` (from :func:`flatten` or :func:`to_tensordict`, or rows of them)."""
     return _build(spec.root, fields)
 
 
@@ -577,7 +498,7 @@ def _build(node: Any, fields: Fields | TensorDictBase) -> Any:
             object.__setattr__(obj, name, _build(child, fields))
         return obj
     if kind is _Registered:
-        registration = _registration_for(node.cls)
+        registration = registration_for(node.cls)
         if registration is None:
             raise TypeError(
                 f"batch type {node.cls.__qualname__} is not registered in this process: call "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import elastic_batches as eb
-from elastic_batches import collate, structures
+from elastic_batches import registry
 
 
 class Point:
@@ -78,10 +78,10 @@ def test_pickled_collate_carries_both_registries_into_a_fresh_process() -> None:
     eb.register_batch_type(Boxed, to_tensordict=boxed_fields, from_tensordict=boxed_rebuild)
     eb.register_collate(float, lambda values, *, collate_fn_map=None: torch.tensor(values))  # cannot travel
     payload = pickle.dumps(eb.ElasticCollate(collate_boxed))
-    structures._BATCH_TYPES.clear()  # as in a spawn worker that never ran the registrations
-    collate._COLLATE_FNS.clear()
+    registry._BATCH_TYPES.clear()  # as in a spawn worker that never ran the registrations
+    registry._COLLATE_FNS.clear()
     worker_side = pickle.loads(payload)
-    assert set(structures._BATCH_TYPES) == {Boxed} and set(collate._COLLATE_FNS) == {Point}
+    assert set(registry._BATCH_TYPES) == {Boxed} and set(registry._COLLATE_FNS) == {Point}
     batch = worker_side([1, 2, 3])
     assert [mb.unwrap().values.tolist() for mb in batch.microbatches(2)] == [[1, 2], [3]]
     assert eb.ElasticCollate()([{"p": Point(3.0)}]).unwrap()["p"].tolist() == [3.0]
@@ -90,9 +90,9 @@ def test_pickled_collate_carries_both_registries_into_a_fresh_process() -> None:
 def test_registrations_of_the_receiving_process_win() -> None:
     eb.register_batch_type(Boxed, to_tensordict=boxed_fields, from_tensordict=boxed_rebuild)
     payload = pickle.dumps(eb.ElasticCollate())
-    local = structures._BATCH_TYPES[Boxed]
+    local = registry._BATCH_TYPES[Boxed]
     pickle.loads(payload)
-    assert structures._BATCH_TYPES[Boxed] is local
+    assert registry._BATCH_TYPES[Boxed] is local
 
 
 def test_unsplittable_collate_result_names_the_type_and_register_batch_type() -> None:

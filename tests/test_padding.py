@@ -14,7 +14,7 @@ from torch.utils.data import default_collate
 
 import elastic_batches as eb
 from elastic_batches.balance import split_sizes
-from elastic_batches.padding import collate_padded
+from elastic_batches.collate import collate_padded
 
 PAD = {"input_ids": 0, "labels": -100}
 

@@ -19,9 +19,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, tensorclass
 
 import elastic_batches as eb
-from elastic_batches import structures
+from elastic_batches import registry, structures
 from elastic_batches.batch import split_sizes
-from elastic_batches.structures import from_tensordict, to_tensordict
+from elastic_batches.structures import rebuild, to_tensordict
 
 # ---------------------------------------------------------------------------------------------
 # Structures used as batches (module level: they must pickle for DataLoader workers).
@@ -403,11 +403,11 @@ def test_registered_converter_must_return_a_mapping() -> None:
 def test_unregistered_type_in_another_process_is_named() -> None:
     eb.register_batch_type(Opaque, to_tensordict=_opaque_fields, from_tensordict=_opaque_rebuild)
     fields, spec = to_tensordict(Opaque(_x(range(2)), _names(range(2)), ""))
-    del eb.structures._BATCH_TYPES[Opaque]  # as in a process where the registration never ran
+    del registry._BATCH_TYPES[Opaque]  # as in a process where the registration never ran
     with pytest.raises(
         TypeError, match=r"batch type Opaque is not registered in this process: call .*register_batch_type"
     ):
-        from_tensordict(fields, spec)
+        rebuild(fields, spec)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import elastic_batches as eb
+from elastic_batches.padding import Padding
 from elastic_batches.testing import inject_oom
 
 LENGTHS = [3, 7, 1, 5, 2, 6]
@@ -129,7 +130,7 @@ def test_pickles_for_spawn_workers() -> None:
 
 
 def test_a_field_without_pad_value_is_never_extended() -> None:
-    padding = eb.Padding(values={"ids": None}, lengths={"ids": (2, 1)}, buckets=eb.ShapeBuckets(lengths=4))
+    padding = Padding(values={"ids": None}, lengths={"ids": (2, 1)}, buckets=eb.ShapeBuckets(lengths=4))
     with pytest.raises(ValueError, match=r"padded field 'ids' has no pad value to extend it to 4 positions"):
         padding.piece({"ids": torch.ones(2, 2)}, 0, 2)
 
