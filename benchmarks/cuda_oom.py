@@ -31,7 +31,8 @@ import torch
 from _harness import emit, table
 
 from elastic_batches import ElasticStep, SplitController
-from elastic_batches.demo import DemoConfig, _lm_loss, _TinyLM
+from elastic_batches.demo import DemoConfig
+from elastic_batches.testing.models import TinyLM, lm_loss
 
 RTOL = 1e-5
 SETTLING_STEPS = 5
@@ -63,18 +64,18 @@ def main() -> int:
     device = torch.device("cuda")
     config = DemoConfig(batch_size=64, seq_len=512, vocab_size=8192, dim=512, heads=8, layers=4)
     torch.manual_seed(0)
-    model = _TinyLM(config).to(device)
+    model = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len).to(device)
     tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), device=device)
     batch = {"tokens": tokens}
 
     def loss_fn(microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return _lm_loss(model, microbatch)
+        return lm_loss(model, microbatch)
 
     # the full-batch gradient, and what the step needs with and without its activations
     torch.cuda.synchronize()
     resting = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    _lm_loss(model, batch).backward()
+    lm_loss(model, batch).backward()
     peak = torch.cuda.max_memory_allocated()
     reference = _gradients(model)
     gradient_bytes = sum(g.numel() * g.element_size() for g in reference)

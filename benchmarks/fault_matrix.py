@@ -1,16 +1,17 @@
 """The fault-injection matrix of ``docs/reliability.md``: where an OOM strikes, and what follows.
 
-Runs every cell of ``tests/_fault_matrix.py`` (the cells ``tests/test_fault_matrix.py`` asserts):
-the one-process cells here, the DDP and FSDP2 cells as one job per loop and setting on two gloo
-ranks under a deadline (``tests/_distributed_harness.py``). Prints one markdown table per loop
+Runs every cell of ``elastic_batches.testing.fault_matrix`` (the cells ``tests/test_fault_matrix.py``
+asserts): the one-process cells here, the DDP and FSDP2 cells as one job per loop and setting on
+two gloo ranks under a deadline (``elastic_batches.testing.ranks.RankPool``). Prints one markdown table per loop
 (rows: where the OOM struck; columns: setting and ranks), a summary of the checks per job, and
 one JSON line per cell. Exits 1 if any cell fails.
 
     python benchmarks/fault_matrix.py            # the matrix (about 30 s on 2 CPU cores)
     python benchmarks/fault_matrix.py --leaks    # also the leak and changing-memory figures
 
-``--leaks`` repeats the procedures of ``tests/test_reliability.py`` and prints what they measure
-(the test only asserts bounds): 200 OOM-and-retry cycles, memory that shrinks and grows back.
+``--leaks`` runs the procedures ``tests/test_reliability.py`` asserts bounds on
+(``elastic_batches.testing.fault_matrix.churn``) and prints what they measure: 200 OOM-and-retry
+cycles, memory that shrinks and grows back.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the spawned ranks inherit it: Lightning's tips stay quiet
 
@@ -58,8 +56,8 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
     import logging
     import warnings
 
-    import _fault_matrix as fm
-    from _distributed_harness import RankFailure, RankPool
+    import elastic_batches.testing.fault_matrix as fm
+    from elastic_batches.testing.ranks import RankFailure, RankPool
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -92,7 +90,7 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
 
 
 def entry(cell: Any, results: list[dict[str, Any]]) -> str:
-    import _fault_matrix as fm
+    import elastic_batches.testing.fault_matrix as fm
 
     if not results:
         return "FAIL: hang or crash (deadline)"
@@ -101,7 +99,7 @@ def entry(cell: Any, results: list[dict[str, Any]]) -> str:
 
 def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
     """The markdown tables, a summary of the checks, JSON lines; the number of failing cells."""
-    import _fault_matrix as fm
+    import elastic_batches.testing.fault_matrix as fm
 
     failures = 0
     for loop in fm.LOOPS:
@@ -156,109 +154,36 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
 
 
 def print_leaks() -> None:
-    """The figures behind tests/test_reliability.py, measured with its own procedures."""
-    import gc
+    """The figures behind tests/test_reliability.py, measured with the procedures it asserts bounds on."""
+    from elastic_batches.testing.fault_matrix import churn
 
-    import test_reliability as tr
-    import torch
-
-    import elastic_batches as eb
-    from elastic_batches.testing import MemoryBudget
-
-    model = tr._mlp()
-    batch = (torch.randn(64, 16), torch.randn(64, 1))
-    limit = (tr._peak_at(model, batch, 1) + tr._peak_at(model, batch, 2)) // 2
-    controller = eb.SplitController(grow_after=1)
-    step = eb.ElasticStep(model, controller=controller)
-    budget = MemoryBudget(None)
-    loss_fn = tr._loss_fn(model)
-
-    def cycle() -> None:
-        for tight in (True, False):
-            budget.limit_bytes = limit if tight else None
-            with budget:
-                step.backward(batch, loss_fn)
-            model.zero_grad(set_to_none=True)
-
-    for _ in range(10):
-        cycle()
-    gc.collect()
-    tensors, ooms_alive, resident, ooms = tr._live_tensors(), tr._live_ooms(), tr._resident_bytes(), budget.oom_count
-    start = time.perf_counter()
-    for _ in range(200):
-        cycle()
-    seconds = time.perf_counter() - start
-    gc.collect()
+    cycles = churn.oom_retry_cycles(cycles=200)
     print("\n#### 200 OOM-and-retry cycles (MLP 16-256-1, batch 64, budget between 1 and 2 microbatches)\n")
     print("| measure | change over 200 cycles |")
     print("|---|---|")
-    print(f"| OOMs raised by the budget | {budget.oom_count - ooms} |")
-    print(f"| live tensors (gc) | {tr._live_tensors() - tensors:+d} |")
-    print(f"| OutOfMemoryError objects alive | {tr._live_ooms() - ooms_alive:+d} |")
-    print(f"| simulated device bytes live after the cycles | {budget.live_bytes} |")
-    print(f"| resident memory of the process | {(tr._resident_bytes() - resident) / 2**20:+.2f} MiB |")
-    print(f"| sizes held by the controller for error messages | {len(controller._tried)} |")
-    print(f"\n({seconds / 200 * 1000:.1f} ms per cycle of one retried and one whole step)")
+    print(f"| OOMs raised by the budget | {cycles['ooms']} |")
+    print(f"| live tensors (gc) | {cycles['tensors']:+d} |")
+    print(f"| OutOfMemoryError objects alive | {cycles['oom_errors']:+d} |")
+    print(f"| simulated device bytes live after the cycles | {cycles['live_bytes']} |")
+    print(f"| resident memory of the process | {cycles['resident_bytes'] / 2**20:+.2f} MiB |")
+    print(f"| sizes held by the controller for error messages | {cycles['tried']} |")
+    print(f"\n({cycles['seconds_per_cycle'] * 1000:.1f} ms per cycle of one retried and one whole step)")
 
-    # memory that shrinks: tests/test_reliability.py::test_shrinking_memory_raises_the_count_step_by_step...
-    model = tr._mlp(width=512)
-    batches = [(torch.randn(48, 16), torch.randn(48, 1)) for _ in range(6)]
-    peaks = {k: tr._peak_at(model, batches[0], k) for k in (1, 2, 3, 4)}
-    limits = [peaks[1] + 1, (peaks[1] + peaks[2]) // 2, (peaks[2] + peaks[3]) // 2, (peaks[3] + peaks[4]) // 2]
-    controller = eb.SplitController()
-    step = eb.ElasticStep(model, controller=controller)
-    budget = MemoryBudget(None)
-    settled, errors, ooms_per_level = [], [], []
-    for limit in limits:
-        budget.limit_bytes = limit
-        before = controller.oom_count
-        for b in batches:
-            reference = tr._reference_grads(model, b)
-            with budget:
-                step.backward(b, tr._loss_fn(model))
-            errors.append(
-                max(
-                    float((p.grad - r).abs().max() / r.abs().max())
-                    for p, r in zip(model.parameters(), reference, strict=True)
-                )
-            )
-            model.zero_grad(set_to_none=True)
-        settled.append(controller.split_count)
-        ooms_per_level.append(controller.oom_count - before)
+    shrinking = churn.shrinking_memory()
     print("\n#### Memory that shrinks (4 levels x 6 batches of 48 rows)\n")
-    print(f"- split count settled at each level: {settled}; OOMs per level: {ooms_per_level}")
-    print(f"- {len(errors)} batches, none lost; largest relative gradient error vs the whole batch {max(errors):.1e}")
+    print(f"- split count settled at each level: {shrinking['settled']}; OOMs per level: {shrinking['ooms']}")
+    print(
+        f"- {shrinking['batches']} batches, none lost; largest relative gradient error vs the whole batch "
+        f"{shrinking['gradient_error']:.1e}"
+    )
 
-    # memory that grows back: test_growing_memory_is_used_by_the_growth_probe_at_a_bounded_probe_rate
-    model = tr._mlp(width=512)
-    b = (torch.randn(48, 16), torch.randn(48, 1))
-    tight = (tr._peak_at(model, b, 3) + tr._peak_at(model, b, 4)) // 2
-    controller = eb.SplitController(grow_after=10)
-    step = eb.ElasticStep(model, controller=controller)
-    budget = MemoryBudget(tight)
-
-    def steps(n: int) -> None:
-        for _ in range(n):
-            with budget:
-                step.backward(b, tr._loss_fn(model))
-            model.zero_grad(set_to_none=True)
-
-    steps(20)
-    settled_count, ooms = controller.split_count, controller.oom_count
-    steps(50)
-    probe_ooms = controller.oom_count - ooms
-    budget.limit_bytes = None
-    before = controller.oom_count
-    steps(60)
+    growing = churn.growing_memory(grow_after=10)
     print("\n#### Memory that grows back (grow_after=10, 48 rows)\n")
     print(
-        f"- settled at {settled_count} microbatches; 50 more tight steps: {probe_ooms} failed growth probes "
-        f"({probe_ooms * 20} per 1000 steps, the back-off doubling the wait after each)"
+        f"- settled at {growing['settled']} microbatches; 50 more tight steps: {growing['probe_ooms']} failed growth "
+        f"probes ({growing['probe_ooms'] * 20} per 1000 steps, the back-off doubling the wait after each)"
     )
-    print(
-        f"- memory freed: {controller.split_count} microbatch(es) after 60 steps, "
-        f"{controller.oom_count - before} OOMs on the way"
-    )
+    print(f"- memory freed: {growing['freed']} microbatch(es) after 60 steps, {growing['freed_ooms']} OOMs on the way")
 
 
 def main() -> int:

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from _harness import QUICK, configure_threads, emit, interleaved, median, table
 from torch import nn
 
-from elastic_batches.demo import DemoConfig, _lm_loss, _TinyLM
+from elastic_batches.demo import DemoConfig
 from elastic_batches.rollback import Rollback
+from elastic_batches.testing.models import TinyLM, lm_loss
 
 ROUNDS = 7 if QUICK else 21
 CALLS = 20 if QUICK else 100  # rollback calls per round
@@ -66,10 +67,10 @@ def _cnn_case() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
 def _lm_case() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     config = DemoConfig()
     torch.manual_seed(0)
-    model = _TinyLM(config)
+    model = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len)
     model.register_buffer("causal_mask", torch.ones(2048, 2048).tril())  # a cache that never changes
     tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1))
-    return model, lambda: _lm_loss(model, {"tokens": tokens})
+    return model, lambda: lm_loss(model, {"tokens": tokens})
 
 
 def _copy_all(model: nn.Module) -> None:

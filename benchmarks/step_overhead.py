@@ -39,7 +39,8 @@ from _harness import QUICK, configure_threads, emit, interleaved, median, paired
 from torch import nn
 
 from elastic_batches import ElasticBatch, ElasticStep, SplitController
-from elastic_batches.demo import DemoConfig, _lm_loss, _TinyLM
+from elastic_batches.demo import DemoConfig
+from elastic_batches.testing.models import TinyLM, lm_loss
 
 TARGET = 1.03
 SPLIT = 4
@@ -50,9 +51,9 @@ STEPS_PER_ROUND = 5 if QUICK else 10
 def _lm_case() -> tuple[nn.Module, dict[str, torch.Tensor], Callable[[nn.Module, Any], torch.Tensor]]:
     config = DemoConfig()
     torch.manual_seed(0)
-    model = _TinyLM(config)
+    model = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len)
     tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1))
-    return model, {"tokens": tokens}, _lm_loss
+    return model, {"tokens": tokens}, lm_loss
 
 
 def _mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -32,14 +32,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from elastic_batches.controller import SplitController
 from elastic_batches.loader import MicrobatchingDataLoader
 from elastic_batches.step import ElasticStep
 from elastic_batches.testing import AddressSpaceLimit, MemoryBudget
+from elastic_batches.testing.models import MarkovLanguage, TinyLM, lm_loss
 
 __all__ = ["DemoConfig", "DemoResult", "main", "run_demo"]
 
@@ -159,78 +161,7 @@ class DemoResult:
 # -- the language and the model -------------------------------------------------------------------
 
 
-class _MarkovLanguage(Dataset[dict[str, torch.Tensor]]):
-    """Sequences drawn from a random Markov chain: each token has a few likely successors."""
-
-    def __init__(self, samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        logits = torch.randn(vocab_size, vocab_size, generator=g) * 3.0
-        self.transitions = logits.softmax(dim=-1)
-        tokens = torch.empty(samples, seq_len + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(vocab_size, (samples,), generator=g)
-        for t in range(seq_len):
-            tokens[:, t + 1] = torch.multinomial(self.transitions[tokens[:, t]], 1, generator=g).squeeze(1)
-        self.tokens = tokens
-
-    def entropy(self) -> float:
-        """Mean next-token entropy under the chain's stationary distribution (nats)."""
-        p = self.transitions.double()
-        stationary = torch.full((p.shape[0],), 1.0 / p.shape[0], dtype=torch.float64)
-        for _ in range(200):
-            stationary = stationary @ p
-        per_token = -(p * p.clamp_min(1e-30).log()).sum(dim=-1)
-        return float(stationary @ per_token)
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"tokens": self.tokens[index]}
-
-
-class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
-
-
-class _TinyLM(nn.Module):
-    """A pre-norm causal transformer language model."""
-
-    def __init__(self, config: DemoConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.pos = nn.Parameter(torch.randn(config.seq_len, config.dim) * 0.02)
-        self.blocks = nn.ModuleList(_Block(config.dim, config.heads) for _ in range(config.layers))
-        self.norm = nn.LayerNorm(config.dim)
-        self.head = nn.Linear(config.dim, config.vocab_size)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-def _lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    tokens = batch["tokens"]
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def _loader(dataset: _MarkovLanguage, config: DemoConfig) -> DataLoader[Any]:
+def _loader(dataset: MarkovLanguage, config: DemoConfig) -> DataLoader[Any]:
     generator = torch.Generator().manual_seed(config.seed + 1)
     return DataLoader(dataset, batch_size=config.batch_size, shuffle=True, drop_last=True, generator=generator)
 
@@ -252,76 +183,13 @@ def _max_relative_difference(a: nn.Module, b: nn.Module) -> float:
     return worst
 
 
-# -- progress ------------------------------------------------------------------------------------
-
-
-class _Progress:
-    """A one-line progress bar on a terminal; a line every tenth of the run elsewhere."""
-
-    def __init__(self, out: TextIO | None, total: int, label: str) -> None:
-        self.out = out
-        self.total = total
-        self.label = label
-        self.tty = out is not None and out.isatty()
-        self.line = ""
-        self.start = time.perf_counter()
-
-    def update(self, done: int, **fields: Any) -> None:
-        if self.out is None:
-            return
-        width = 24
-        filled = round(width * done / self.total)
-        extra = "  ".join(f"{k} {v}" for k, v in fields.items())
-        elapsed = time.perf_counter() - self.start
-        self.line = (
-            f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  {extra}  {elapsed:.1f}s"
-        )
-        if self.tty:
-            self.out.write("\r\033[K" + self.line)
-            self.out.flush()
-        elif done == self.total or done % max(1, self.total // 10) == 0:
-            print(self.line, file=self.out, flush=True)
-
-    def clear(self) -> None:
-        """Erase the bar before another line is printed (a log record); :meth:`redraw` puts it back."""
-        if self.out is not None and self.tty and self.line:
-            self.out.write("\r\033[K")
-
-    def redraw(self) -> None:
-        if self.out is not None and self.tty and self.line:
-            self.out.write(self.line)
-            self.out.flush()
-
-    def close(self) -> None:
-        if self.out is not None and self.tty and self.line:
-            self.out.write("\n")
-            self.out.flush()
-        self.line = ""
-
-
-class _ProgressHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Prints log records above the progress bar instead of through it."""
-
-    def __init__(self, stream: TextIO) -> None:
-        super().__init__(stream)
-        self.progress: _Progress | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.progress is not None:
-            self.progress.clear()
-        super().emit(record)
-        if self.progress is not None:
-            self.progress.redraw()
-
-
-_HANDLER: _ProgressHandler | None = None
 _REAL_HEADROOM = 4 * 2**20  # under a real limit: what Python and autograd allocate besides tensors
 
 
 # -- the runs --------------------------------------------------------------------------------------
 
 
-def _measure_step(model: nn.Module, dataset: _MarkovLanguage, config: DemoConfig, rows: int) -> int:
+def _measure_step(model: nn.Module, dataset: MarkovLanguage, config: DemoConfig, rows: int) -> int:
     """Peak bytes of a training step on ``rows`` rows, measured on a copy of the model.
 
     Two steps are run: the optimizer's state (momentum) is created by the first and is alive
@@ -333,7 +201,7 @@ def _measure_step(model: nn.Module, dataset: _MarkovLanguage, config: DemoConfig
     budget = MemoryBudget(limit_bytes=None)
     with budget:
         for _ in range(2):
-            _lm_loss(model, batch).backward()
+            lm_loss(model, batch).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return budget.peak_bytes
@@ -341,7 +209,7 @@ def _measure_step(model: nn.Module, dataset: _MarkovLanguage, config: DemoConfig
 
 def _train_elastic(
     model: nn.Module,
-    dataset: _MarkovLanguage,
+    dataset: MarkovLanguage,
     config: DemoConfig,
     budget: MemoryBudget | None,
     out: TextIO | None,
@@ -351,16 +219,13 @@ def _train_elastic(
     optimizer = _optimizer(model, config)
     losses: list[float] = []
     changes: list[tuple[int, int, int]] = []
-    progress = _Progress(out, config.steps, "elastic  ")
-    if _HANDLER is not None:
-        _HANDLER.progress = progress
-    try:
+    with tqdm(total=config.steps, desc="elastic  ", file=out, disable=out is None) as progress:
         batches: Iterator[Any] = iter(loader)
         previous = loader.controller.split_count
         for index in range(config.steps):
             batch = next(batches)
             with budget if budget is not None else contextlib.nullcontext():  # the simulated device, if any
-                loss = step.backward(batch, lambda mb: _lm_loss(model, mb))
+                loss = step.backward(batch, lambda mb: lm_loss(model, mb))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
@@ -368,35 +233,30 @@ def _train_elastic(
             if count != previous:
                 changes.append((index, previous, count))
                 previous = count
-            progress.update(
-                index + 1,
+            progress.set_postfix(
                 loss=f"{losses[-1]:.3f}",
                 microbatches=f"{count} x <={math.ceil(config.batch_size / count)}",
                 OOMs=loader.controller.oom_count,
+                refresh=False,
             )
-    finally:
-        progress.close()
-        if _HANDLER is not None:
-            _HANDLER.progress = None
+            progress.update()
     return loader.controller, losses, changes
 
 
-def _train_reference(model: nn.Module, dataset: _MarkovLanguage, config: DemoConfig, out: TextIO | None) -> list[float]:
+def _train_reference(model: nn.Module, dataset: MarkovLanguage, config: DemoConfig, out: TextIO | None) -> list[float]:
     optimizer = _optimizer(model, config)
     losses: list[float] = []
-    progress = _Progress(out, config.steps, "reference")
     batches = iter(_loader(dataset, config))
-    try:
-        for index in range(config.steps):
+    with tqdm(total=config.steps, desc="reference", file=out, disable=out is None) as progress:
+        for _ in range(config.steps):
             batch = next(batches)
-            loss = _lm_loss(model, batch)
+            loss = lm_loss(model, batch)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            progress.update(index + 1, loss=f"{losses[-1]:.3f}", microbatches=1)
-    finally:
-        progress.close()
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", microbatches=1, refresh=False)
+            progress.update()
     return losses
 
 
@@ -429,9 +289,10 @@ def run_demo(config: DemoConfig | None = None, *, out: TextIO | None = None) -> 
 def _run(config: DemoConfig, out: TextIO | None) -> DemoResult:
     if config.real_allocator:
         AddressSpaceLimit.prepare()  # before the run allocates: no freed heap in the baseline
+        tqdm.monitor_interval = 0  # no monitor thread: its stack would count against the address-space limit
     torch.manual_seed(config.seed)
-    dataset = _MarkovLanguage(config.batch_size * config.steps, config.seq_len, config.vocab_size, config.seed)
-    initial = _TinyLM(config)
+    dataset = MarkovLanguage(config.batch_size * config.steps, config.seq_len, config.vocab_size, config.seed)
+    initial = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len)
 
     full_batch_bytes = _measure_step(initial, dataset, config, config.batch_size)
     one_row_bytes = _measure_step(initial, dataset, config, 1)
@@ -566,16 +427,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     out = sys.stdout
 
-    global _HANDLER
     library_logger = logging.getLogger("elastic_batches")
     handler = None
     old_level = library_logger.level
     if not args.quiet:
-        handler = _ProgressHandler(out)
+        handler = logging.StreamHandler(out)
         handler.setFormatter(logging.Formatter("  [%(name)s] %(message)s"))
         library_logger.addHandler(handler)
         library_logger.setLevel(logging.INFO)
-        _HANDLER = handler
         print(
             f"elastic_batches demo: a {config.layers}-layer transformer LM (width {config.dim}) learns a generated "
             f"language, {config.steps} steps of {config.batch_size} sequences x {config.seq_len} tokens, on the CPU "
@@ -589,12 +448,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     try:
-        result = run_demo(config, out=None if args.quiet else out)
+        with logging_redirect_tqdm(loggers=[library_logger]):  # log lines above the progress bars, not through
+            result = run_demo(config, out=None if args.quiet else out)
     finally:
         if handler is not None:
             library_logger.removeHandler(handler)
             library_logger.setLevel(old_level)
-            _HANDLER = None
     if args.quiet:
         print(
             f"max relative difference {result.max_relative_difference:.2e}: {'AGREE' if result.agrees else 'DISAGREE'}"

@@ -1,6 +1,6 @@
 """Distributed ElasticStep (issue 3): 2 gloo ranks, DDP and FSDP2.
 
-Every case runs on two spawned ranks (``_distributed_harness.RankPool``) under a 60 s
+Every case runs on two spawned ranks (``elastic_batches.testing.ranks.RankPool``) under a 60 s
 deadline: a hang fails the test with each rank's stack instead of freezing the suite. The
 reference for every result is plain full-batch training on the union of both ranks' batches,
 computed on each rank in float32; weights must match it within ``RTOL``.
@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _distributed_harness import RankFailure, RankPool
 from torch import nn
 
 import elastic_batches as eb
 from elastic_batches import distributed
 from elastic_batches.testing import MemoryBudget, inject_oom, inject_oom_in_optimizer
+from elastic_batches.testing.ranks import RankFailure, RankPool
 
 RTOL = 1e-5
 LR = 0.1

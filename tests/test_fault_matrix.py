@@ -1,6 +1,6 @@
 """The fault-injection matrix: an OOM in every phase, at every microbatch, on every rank.
 
-Each cell (``tests/_fault_matrix.py`` defines them and what they must show) trains a tiny model
+Each cell (``elastic_batches.testing.fault_matrix`` defines them and what they must show) trains a tiny model
 whose per-sample embedding counts how often each sample entered each step's gradient. A cell
 passes when its injection struck exactly where it was aimed (the microbatches thrown away and
 the split count the step ends with say so) and then either the run recovered, with weights
@@ -11,7 +11,7 @@ the start of an attempt and the ranks' vote: the transfer, the cut of a padded m
 optimizer step, every rank raised ``ElasticOOMError`` naming where and which ranks.
 
 One process: every cell runs here. DDP and FSDP2: all cells of one loop and setting run in one
-job on two spawned gloo ranks (``_distributed_harness.RankPool``), under a deadline after which
+job on two spawned gloo ranks (``elastic_batches.testing.ranks.RankPool``), under a deadline after which
 the ranks are killed and every cell of the job fails with their stacks: a hang is a failure,
 never a frozen suite. ``python benchmarks/fault_matrix.py`` prints the same cells as a table.
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import torch
-from _distributed_harness import RankFailure, RankPool
-from _fault_matrix import (
+
+from elastic_batches.testing.fault_matrix import (
     GLOBAL_ROWS,
     LOOPS,
     OOM_STEP,
@@ -45,6 +45,7 @@ from _fault_matrix import (
     step_ids,
     validation_reference,
 )
+from elastic_batches.testing.ranks import RankFailure, RankPool
 
 DEADLINE_S = 120  # one job: every cell of a loop and setting (about 3-7 s when nothing hangs)
 ALL_CELLS = [cell for loop in LOOPS for setting in SETTINGS for cell in cells(loop, setting)]

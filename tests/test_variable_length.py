@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _distributed_harness import RankPool
 from tensordict import tensorclass
 from torch import nn
 
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget, inject_oom
+from elastic_batches.testing.ranks import RankPool
 
 RTOL = 1e-5
 PAD = {"input_ids": 0, "labels": -100}

@@ -1,4 +1,8 @@
-"""Spawned gloo ranks for the distributed tests, with a hard deadline that turns a hang into a failure.
+"""Spawned gloo ranks that run test cases, with a hard deadline that turns a hang into a failure.
+
+For testing distributed training on a CPU: every rank is a process of its own on the gloo
+backend, and a case that leaves a rank waiting in a collective fails with each rank's stack
+instead of freezing the test suite.
 
 A :class:`RankPool` starts ``world_size`` processes once (``spawn``; a ``file://`` rendezvous in
 a temporary folder, so no port is ever fixed) and runs test cases on all of them: each case is
@@ -67,6 +71,18 @@ class RankPool:
         workdir: A fresh folder for the rendezvous files and the ranks' stack dumps.
         world_size: Number of ranks.
         start_timeout: Seconds the ranks may take to start and join the process group.
+
+    Example:
+        >>> import operator, tempfile
+        >>> from elastic_batches.testing.ranks import RankPool
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     pool = RankPool(folder, world_size=2)
+        ...     try:
+        ...         results = pool.run(operator.add, timeout=60)  # each rank's rank + world_size
+        ...     finally:
+        ...         pool.close()
+        >>> results
+        [2, 3]
     """
 
     def __init__(self, workdir: Path, world_size: int = 2, start_timeout: float = 120.0) -> None:

@@ -1,0 +1,144 @@
+"""The fault-injection matrix: where an OOM strikes, on which ranks, and what must follow.
+
+A *cell* is one combination of
+
+* the loop: ``"plain"`` (``ElasticStep.backward`` + ``ElasticStep.optimizer_step``) or
+  ``"lightning"`` (``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``);
+* the setting: ``"single"`` (one process), ``"ddp"`` or ``"fsdp2"`` (two gloo ranks);
+* the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
+  padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
+  its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already
+  hold gradients), the ``"sum"`` of the microbatch losses (``aten.stack``), the gradient norm of
+  the ``"clip"``ping, the optimizer ``"step"``, or (Lightning only) a user ``"hook"``,
+  ``on_before_optimizer_step``, which Lightning runs between the two;
+* the microbatch: ``"first"``, ``"middle"`` or ``"last"`` of the attempt (per-microbatch phases);
+* the ranks: ``"0"``, ``"1"`` or ``"both"`` (rank 0 in the first attempt, rank 1 in the retry
+  that follows it; both in the same step for the phases after the microbatches).
+
+Every cell trains a tiny model for ``STEPS`` steps of ``GLOBAL_ROWS`` samples (over all ranks),
+starting at ``SPLIT`` microbatches, with the OOM injected in step ``OOM_STEP``. The model holds a
+per-sample ``nn.Embedding(SAMPLES, 1)`` whose value is added to each sample's loss, so the
+gradient of row ``id`` is exactly ``1 / GLOBAL_ROWS`` when sample ``id`` was used once in the
+step, 0 when it was lost, ``2 / GLOBAL_ROWS`` when it was counted twice: every row is checked
+after every backward. The outcome must be
+
+* for everything between the start of an attempt and the vote (transfer, cut, count, forward,
+  backward, sum): recovery, with weights equal (``RTOL``) to plain full-batch training on the
+  same samples, which never ran out of memory;
+* after the microbatches (hook, clipping, optimizer step), where splitting cannot help: an
+  ``ElasticOOMError`` on every rank, naming where (``WHERE``, ``LIGHTNING_WHERE``) and the ranks,
+  with the weights of the steps before it (no partial update) on the ranks that ran out of
+  memory, and on every rank when the norm's vote caught it before any rank stepped; after an OOM
+  in the step itself, the ranks whose step went through hold its update (documented, checked on
+  each rank's own shards);
+
+and never a hang (the distributed cells run in :class:`elastic_batches.testing.ranks.RankPool` under a
+deadline).
+
+``tests/test_fault_matrix.py`` asserts all of this; ``benchmarks/fault_matrix.py`` runs the same
+cells and prints the table of ``docs/reliability.md``. The package: ``cells`` (what a cell is, its
+data, model and reference, what it must show), ``plain`` and ``lightning`` (running a cell in each
+loop), ``checks`` (judging its results), ``jobs`` (a setting's cells on one rank), ``churn``
+(OOM-and-retry cycles and memory that changes, measured).
+"""
+
+from elastic_batches.testing.fault_matrix.cells import (
+    FEATURES,
+    GLOBAL_ROWS,
+    ID_TOLERANCE,
+    LIGHTNING_PHASES,
+    LIGHTNING_WHERE,
+    LOOPS,
+    LR,
+    MAX_GRAD_NORM,
+    MICROBATCH_PHASES,
+    OOM_STEP,
+    PHASES,
+    POSITIONS,
+    RECOVERING_PHASES,
+    RTOL,
+    SAMPLES,
+    SETTINGS,
+    SPLIT,
+    STEPS,
+    WHERE,
+    WIDTH,
+    Cell,
+    IdModel,
+    batch,
+    cells,
+    dataset,
+    expected_outcome,
+    flat,
+    loss_of,
+    oom_call,
+    pad_length,
+    padded_batch,
+    padded_loss,
+    predicted_counts,
+    reference,
+    relative_error,
+    step_ids,
+)
+from elastic_batches.testing.fault_matrix.checks import id_check, outcome, problems, weight_errors
+from elastic_batches.testing.fault_matrix.jobs import run_cells
+from elastic_batches.testing.fault_matrix.lightning import (
+    lightning_environment,
+    run_lightning_cell,
+    run_lightning_validation,
+    validation_reference,
+)
+from elastic_batches.testing.fault_matrix.plain import GradNormOOM, distribute, error_of, result_of, run_plain_cell
+
+__all__ = [
+    "Cell",
+    "FEATURES",
+    "GLOBAL_ROWS",
+    "GradNormOOM",
+    "ID_TOLERANCE",
+    "IdModel",
+    "LIGHTNING_PHASES",
+    "LIGHTNING_WHERE",
+    "LOOPS",
+    "LR",
+    "MAX_GRAD_NORM",
+    "MICROBATCH_PHASES",
+    "OOM_STEP",
+    "PHASES",
+    "POSITIONS",
+    "RECOVERING_PHASES",
+    "RTOL",
+    "SAMPLES",
+    "SETTINGS",
+    "SPLIT",
+    "STEPS",
+    "WHERE",
+    "WIDTH",
+    "batch",
+    "cells",
+    "dataset",
+    "distribute",
+    "error_of",
+    "expected_outcome",
+    "flat",
+    "id_check",
+    "lightning_environment",
+    "loss_of",
+    "oom_call",
+    "outcome",
+    "pad_length",
+    "padded_batch",
+    "padded_loss",
+    "predicted_counts",
+    "problems",
+    "reference",
+    "relative_error",
+    "result_of",
+    "run_cells",
+    "run_lightning_cell",
+    "run_lightning_validation",
+    "run_plain_cell",
+    "step_ids",
+    "validation_reference",
+    "weight_errors",
+]

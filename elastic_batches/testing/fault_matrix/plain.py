@@ -1,0 +1,202 @@
+"""A cell in the plain loop (``ElasticStep.backward``, ``ElasticStep.optimizer_step``), the OOM injected as it says."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import elastic_batches as eb
+from elastic_batches.testing import (
+    inject_oom,
+    inject_oom_in_cut,
+    inject_oom_in_op,
+    inject_oom_in_optimizer,
+    inject_oom_in_transfer,
+)
+from elastic_batches.testing.fault_matrix.cells import (
+    LR,
+    MAX_GRAD_NORM,
+    OOM_STEP,
+    SPLIT,
+    STEPS,
+    Cell,
+    IdModel,
+    Snapshots,
+    batch,
+    flat,
+    loss_of,
+    oom_call,
+    padded_batch,
+    padded_loss,
+    reference,
+)
+from elastic_batches.testing.fault_matrix.checks import id_check, weight_errors
+
+__all__ = ["GradNormOOM", "distribute", "error_of", "result_of", "run_plain_cell"]
+
+
+class _CountOOM:
+    """A ``count_fn`` (rows, as without it) that runs out of memory itself at chosen calls."""
+
+    def __init__(self, call: int | None) -> None:
+        self.call, self.calls, self.fired = call, 0, 0
+
+    def __call__(self, mb: dict[str, torch.Tensor]) -> int:
+        index, self.calls = self.calls, self.calls + 1
+        if index == self.call:
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the fault matrix's count_fn)")
+        return len(mb["id"])
+
+    def remove(self) -> None:
+        self.call = None
+
+
+class GradNormOOM:
+    """Makes ``ElasticStep``'s gradient-norm computation (the allocating part of clipping) run out of memory."""
+
+    def __init__(self, step: eb.ElasticStep) -> None:
+        self.sync = step.sync
+        self.fired = 0
+
+        def local_grad_sq_norm(grads: Any) -> float:
+            self.fired += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the fault matrix in the gradient norm)")
+
+        self.sync.local_grad_sq_norm = local_grad_sq_norm  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        vars(self.sync).pop("local_grad_sq_norm", None)  # the class's method again
+
+
+def _arm(cell: Cell, rank: int, rows: int, model: nn.Module, step: eb.ElasticStep, optimizer: Any) -> list[Any]:
+    """The injections of step ``OOM_STEP`` on this rank (counted from their creation, just before the step)."""
+    if not cell.fires_on(rank):
+        return []
+    if cell.phase == "clip":
+        return [GradNormOOM(step)]
+    if cell.phase == "step":
+        return [inject_oom_in_optimizer(optimizer, calls=0)]
+    call = oom_call(cell, rank, rows)
+    assert call is not None
+    if cell.phase == "transfer":
+        return [inject_oom_in_transfer(calls=call)]
+    if cell.phase == "cut":
+        return [inject_oom_in_cut(calls=call)]
+    if cell.phase == "count":
+        return [_CountOOM(call)]
+    if cell.phase == "sum":
+        return [inject_oom_in_op(torch.ops.aten.stack, calls=call)]
+    first_layer = _inner(model).net[0]
+    target = model if cell.phase == "forward" else first_layer
+    return [inject_oom(target, phase=cell.phase, calls=call)]  # type: ignore[arg-type]
+
+
+# -- distribution ----------------------------------------------------------------------------------
+
+_MESH: Any = None
+
+
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    global _MESH
+    if _MESH is None:
+        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
+    return _MESH
+
+
+def distribute(setting: str, model: IdModel) -> nn.Module:
+    if setting == "single":
+        return model
+    if setting == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for part in (model.net[0], model.net[2], model.ids):
+        fully_shard(part, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    return model
+
+
+def _inner(model: nn.Module) -> Any:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def error_of(err: BaseException, step: int) -> dict[str, Any]:
+    return {"type": type(err).__name__, "message": str(err), "step": step, "traceback": traceback.format_exc()}
+
+
+# -- the plain loop ----------------------------------------------------------------------------------
+
+
+def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapshots | None = None) -> dict:
+    """Train the cell's ``STEPS`` steps with ``ElasticStep``; what happened, as plain values."""
+    snapshots = snapshots if snapshots is not None else reference()
+    model = distribute(cell.setting, IdModel())
+    controller = eb.SplitController(split_count=SPLIT)
+    step = eb.ElasticStep(model, controller=controller, device="cpu" if cell.phase == "transfer" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def loss_fn(mb: Any) -> torch.Tensor:
+        if isinstance(mb, dict):
+            return padded_loss(model, mb)
+        x, y, ids = mb
+        return loss_of(model(x, ids), y)
+
+    ids_checks: list[dict[str, Any]] = []
+    counts: list[int] = []
+    fired = 0
+    error: dict[str, Any] | None = None
+    done = 0
+    for i in range(STEPS):
+        x, y, ids = batch(i, rank, world)
+        data: Any = padded_batch(i, rank, world) if cell.phase in ("cut", "count") else (x, y, ids)
+        optimizer.zero_grad(set_to_none=True)
+        handles = _arm(cell, rank, len(ids), model, step, optimizer) if i == OOM_STEP else []
+        count_fn = next((h for h in handles if isinstance(h, _CountOOM)), _CountOOM(None))
+        try:
+            step.backward(data, loss_fn, count_fn=count_fn if cell.phase == "count" else None)
+            counts.append(controller.split_count)
+            ids_checks.append(id_check(flat([_inner(model).ids.weight.grad]), i))
+            step.optimizer_step(optimizer, max_grad_norm=MAX_GRAD_NORM)
+            done += 1
+        except Exception as err:  # every rank must get here alike; the test says whether it should have
+            error = error_of(err, i)
+            break
+        finally:
+            fired += sum(h.fired for h in handles)
+            for h in handles:
+                h.remove()
+    return result_of(cell, done, error, model, snapshots, ids_checks, counts, fired, controller)
+
+
+def result_of(
+    cell: Any,
+    done: int,
+    error: Any,
+    model: nn.Module,
+    snapshots: Any,
+    ids_checks: Any,
+    counts: Any,
+    fired: int,
+    controller: eb.SplitController,
+) -> dict[str, Any]:
+    """What one cell reports, the same for the plain loop and the Lightning Trainer."""
+    whole, own = weight_errors(model.parameters(), snapshots)
+    return {
+        "cell": cell.id,
+        "steps_done": done,
+        "error": error,
+        "weight_error": whole[done],
+        "own_weight_errors": own,  # this rank's shards against the reference after 0..STEPS steps
+        "ids": ids_checks,
+        "counts": counts,
+        "fired": fired,
+        "retries": controller.retry_count,
+        "discarded": controller.discarded_microbatches,
+    }
