@@ -1,4 +1,4 @@
-"""OOMs per 1000 steps when device memory changes during training (issue 6).
+"""OOMs per 1000 steps when device memory changes during training.
 
 The largest microbatch that fits moves during the run: it shrinks in steps (fragmentation,
 another process taking memory), then grows back. Each step asks the controller for a count,

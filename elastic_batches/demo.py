@@ -167,10 +167,8 @@ def _loader(dataset: MarkovLanguage, config: DemoConfig) -> DataLoader[Any]:
 
 
 def _optimizer(model: nn.Module, config: DemoConfig) -> torch.optim.Optimizer:
-    # SGD with momentum, not Adam: Adam divides each gradient element by its own running scale, so
-    # an element whose gradient is close to zero turns float32 rounding (which differs between a
-    # full batch and a split one, about 1e-7 relative) into a visible change of the update. The
-    # comparison would then measure Adam's sensitivity, not the accumulation.
+    # SGD, not Adam: Adam divides each element by its own running scale, which turns the float32
+    # rounding that differs between a full and a split batch into a visible change of the update.
     return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
 
 

@@ -119,8 +119,8 @@ class _ShuffleSampler(StatefulRandomSampler, RandomSampler):
 class _ShuffledOrder:
     """One epoch of a :class:`_ShuffleSampler`: torchdata's order and state keys, taken a batch at a time.
 
-    torchdata's iterator returns one index per Python call (6.7 us for a batch of 64, about 1.5%
-    of a small text batch); :meth:`take` slices a batch's indices from the permutation at once.
+    torchdata's iterator returns one index per Python call; :meth:`take` slices a batch's indices
+    from the permutation at once.
     """
 
     def __init__(self, sampler: _ShuffleSampler) -> None:
@@ -163,7 +163,7 @@ class _ResumableBatches:
 
     torchdata's iterator appends the indices one Python call at a time; this one takes each
     batch's indices from the sampler in one ``islice`` (from a :class:`_ShuffledOrder`, in one
-    slice), several times faster per batch.
+    slice).
     """
 
     def __init__(self, sampler: Any, batch_size: int, drop_last: bool) -> None:
@@ -253,8 +253,8 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             wrapping a loader they override its own. ``pin_memory=True`` is ignored when no
             accelerator is present (pinning needs one). ``snapshot_every_n_steps`` defaults to
             32 unless a ``StatefulDataLoader`` is wrapped (torchdata's default is 1): with
-            workers, every snapshot brings the workers' state to the main process, about 5% of a
-            cheap batch; a mid-epoch resume then loads up to 31 batches again to reach its place.
+            workers, every snapshot brings the workers' state to the main process; a mid-epoch
+            resume then loads up to 31 batches again to reach its place.
 
     Raises:
         TypeError: ``dataset`` is a DataLoader subclass that defines iteration of its own
@@ -339,7 +339,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         self.pad_values = arguments["collate_fn"].pad_values
         self.sort_by_length = arguments["collate_fn"].sort_by_length
         self.shape_buckets = shape_buckets
-        with warnings.catch_warnings():  # torchdata's constructor calls torch.set_vital, deprecated in torch 2.13
+        with warnings.catch_warnings():  # torchdata's constructor calls the deprecated torch.set_vital
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
             super().__init__(**arguments)
         if type(self.batch_sampler) is StatefulBatchSampler:  # built just now from batch_size; not settable after

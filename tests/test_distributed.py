@@ -1,4 +1,4 @@
-"""Distributed ElasticStep (issue 3): 2 gloo ranks, DDP and FSDP2.
+"""Distributed ElasticStep: 2 gloo ranks, DDP and FSDP2.
 
 Every case runs on two spawned ranks (``elastic_batches.testing.ranks.RankPool``) under a 60 s
 deadline: a hang fails the test with each rank's stack instead of freezing the suite. The

@@ -1,4 +1,4 @@
-"""Property-based bad input (issue 6): any nesting of supported structures splits and trains exactly.
+"""Property-based bad input: any nesting of supported structures splits and trains exactly.
 
 Each generated batch either works — microbatches put back together give the batch, and the
 gradient equals the unsplit one — or raises the documented error naming the offending field.

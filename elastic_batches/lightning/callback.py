@@ -273,7 +273,7 @@ class ElasticAccumulation(Callback):
         """Log ``elastic/split_count``, ``elastic/microbatch_size`` and ``elastic/oom_retries`` for the step.
 
         Only on the steps whose metrics the Trainer sends to its loggers (``log_every_n_steps``):
-        ``self.log`` costs about a millisecond a call, too much to spend on values nobody sees.
+        a ``self.log`` call is not free, and values nobody sees are not worth it.
         """
         if self._train_metrics is None or trainer._results is None:
             return
