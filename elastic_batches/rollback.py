@@ -87,7 +87,7 @@ class Rollback:
         >>> from elastic_batches.rollback import Rollback
         >>> model = torch.nn.BatchNorm1d(2)
         >>> rollback = Rollback(model)
-        >>> rollback.save([])
+        >>> rollback.save([torch.device("cpu")])
         >>> _ = model(torch.randn(4, 2)), torch.rand(1)
         >>> rollback.restore()
         >>> model.running_mean.tolist(), int(model.num_batches_tracked)
@@ -103,8 +103,8 @@ class Rollback:
         self._generators: list[tuple[torch.device, torch.Tensor]] = []
 
     def save(self, devices: Iterable[torch.device]) -> None:
-        """Remember the buffers, and the random generators of the CPU and of ``devices``, as they are now."""
-        self._generators = [(device, _rng_state(device)) for device in {torch.device("cpu"), *devices}]
+        """Remember the buffers, and the random generators of ``devices`` (the CPU's among them), as they are now."""
+        self._generators = [(device, _rng_state(device)) for device in devices]
         saved: list[_Saved] = []
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []

@@ -22,6 +22,7 @@ from elastic_batches.structures import constant_tensors
 
 __all__ = ["ElasticStep"]
 
+_CPU = torch.device("cpu")
 LossFn = Callable[[Any], torch.Tensor]
 CountFn = Callable[[Any], "torch.Tensor | int | float"]
 
@@ -45,13 +46,10 @@ def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
     """
     fields = batch.fields.values()
     plain = all(type(value) is torch.Tensor or type(value) is list for value in fields)
-    leaves = list(fields if plain else batch.data.values(include_nested=True, leaves_only=True))
-    leaves += constant_tensors(batch.spec)
-    unique: dict[int, torch.Tensor] = {}
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
-            unique.setdefault(id(t), t)
-    return list(unique.values())
+    values = fields if plain else batch.data.values(include_nested=True, leaves_only=True)
+    leaves = [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    leaves += [t for t in constant_tensors(batch.spec) if t.requires_grad and t.is_leaf]
+    return list({id(t): t for t in leaves}.values()) if len(leaves) > 1 else leaves
 
 
 def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -168,6 +166,8 @@ class ElasticStep:
         self._batchnorms: list[tuple[str, nn.Module]] | None = None  # listed when a batch is first split
         self._warned_batchnorm = False
         self._graph_checked = False  # the first loss's autograd graph was checked for foreign parameters
+        self._devices_key: tuple[torch.device | None, torch.device | None] | None = None
+        self._devices_seen: tuple[torch.device, ...] = ()
 
     @property
     def sync(self) -> GradientSync:
@@ -369,7 +369,7 @@ class ElasticStep:
                 attempt = _Attempt(size=load.size_at(count))
                 try:
                     if not saved:  # inside the attempt: what saving allocates is the attempt's
-                        self._rollback.save(self._devices())
+                        self._rollback.save(self._devices(params))
                         saved = True
                     if count > 1:
                         self._warn_batchnorm(count)
@@ -480,13 +480,14 @@ class ElasticStep:
                 stacklevel=4,
             )
 
-    def _devices(self) -> list[torch.device]:
-        """The accelerators whose random generators a microbatch may draw from: the model's and ``device``."""
-        devices = [] if self.device is None else [self.device]
-        first = next(iter(self.sync.parameters()), None)
-        if first is not None:
-            devices.append(first.device)
-        return devices
+    def _devices(self, params: Sequence[torch.Tensor] | None) -> tuple[torch.device, ...]:
+        """The devices whose random generators a microbatch may draw from: the CPU, the model's and ``device``."""
+        first = params[0] if params else next(iter(self.sync.parameters()), None)
+        key = (None if first is None else first.device, self.device)
+        if key != self._devices_key:
+            self._devices_key = key
+            self._devices_seen = tuple(dict.fromkeys(d for d in (_CPU, *key) if d is not None))
+        return self._devices_seen
 
     def _training_batchnorms(self) -> list[str]:
         """``Type 'name'`` of each BatchNorm layer of the model in training mode."""

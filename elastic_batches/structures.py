@@ -108,6 +108,7 @@ class BatchSpec:
     """
 
     root: Any
+    has_constant_tensors: bool = dataclasses.field(default=True, compare=False)  # False: no 0-d tensor broadcast
 
 
 _ATOMS = (str, bytes, numbers.Number, type(None), torch.dtype, torch.device, enum.Enum)
@@ -169,6 +170,7 @@ class _Flattener:
     def __init__(self) -> None:
         self.fields: dict[str, Any] = {}
         self.sizes: dict[str, int] = {}
+        self.constant_tensors = False  # a 0-d tensor was met: it is broadcast
 
     def add(self, path: tuple[str, ...], value: Any, size: int) -> str:
         key = base = _path_key(path)
@@ -236,6 +238,7 @@ class _Flattener:
 
     def _tensor(self, value: torch.Tensor, path: tuple[str, ...]) -> _Field | _Constant:
         if value.dim() == 0:
+            self.constant_tensors = True
             return _Constant(value)
         return _Field(self.add(path, value, value.shape[0]))
 
@@ -322,9 +325,9 @@ def _flatten_tensors(batch: Any) -> tuple[Fields, BatchSpec, int] | None:
     if spec is None:
         children = tuple(_Field(key) for key in keys)
         if kind is dict:
-            spec = BatchSpec(_Map(None, keys, children))
+            spec = BatchSpec(_Map(None, keys, children), has_constant_tensors=False)
         else:
-            spec = BatchSpec(_Sequence(_rebuild_tuple if kind is tuple else _rebuild_list, children))
+            spec = BatchSpec(_Sequence(_rebuild_tuple if kind is tuple else _rebuild_list, children), False)
         if len(_TENSORS_SPECS) >= 256:
             _TENSORS_SPECS.clear()
         _TENSORS_SPECS[(kind, keys)] = spec
@@ -364,7 +367,7 @@ def flatten(batch: Any) -> tuple[Fields, BatchSpec, int]:
     if len(distinct) > 1:
         listed = ", ".join(f"'{key}' ({size})" for key, size in sizes.items())
         raise ValueError(f"batch fields disagree on the batch size (leading dimension): {listed}")
-    return flattener.fields, BatchSpec(root), distinct.pop()
+    return flattener.fields, BatchSpec(root, flattener.constant_tensors), distinct.pop()
 
 
 def leading_rows(batch: Any) -> int | None:
@@ -510,7 +513,7 @@ def _build(node: Any, fields: Fields | TensorDictBase) -> Any:
 
 def map_constants(spec: BatchSpec, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchSpec:
     """A spec whose broadcast tensors (0-d) went through ``fn``; used to move them to a device."""
-    return BatchSpec(_map_constants(spec.root, fn))
+    return BatchSpec(_map_constants(spec.root, fn), spec.has_constant_tensors)
 
 
 def constant_tensors(spec: BatchSpec) -> list[torch.Tensor]:
@@ -524,7 +527,8 @@ def constant_tensors(spec: BatchSpec) -> list[torch.Tensor]:
         [tensor(2.)]
     """
     found: list[torch.Tensor] = []
-    _collect_constants(spec.root, found)
+    if spec.has_constant_tensors:
+        _collect_constants(spec.root, found)
     return found
 
 
