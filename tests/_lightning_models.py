@@ -229,3 +229,54 @@ def fit(
     trainer = trainer_factory(**quiet_trainer_kwargs(**kwargs))
     trainer.fit(model, train, val)
     return trainer
+
+
+class PaddedIdDataset(IdDataset):
+    """:class:`IdDataset` whose samples also hold a ragged ``pad`` field (1 to 4 positions), for ``pad_values``."""
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**super().__getitem__(index), "pad": torch.ones(1 + index % 4)}
+
+
+class PaddedRegression(Regression):
+    """:class:`Regression` on padded batches; with ``cut_oom``, rank 1 runs out of memory cutting its second
+    microbatch once in training and once in validation (installed in the worker process under ``ddp_spawn``)."""
+
+    def __init__(self, *, cut_oom: bool = False) -> None:
+        super().__init__()
+        self.cut_oom = cut_oom
+        self.cut_fired = 0
+        self._cut: Any = None
+
+    def _arm(self) -> None:
+        from elastic_batches.testing import inject_oom_in_cut
+
+        if self.cut_oom and self.global_rank == 1:
+            self._cut = inject_oom_in_cut(calls=1)
+
+    def _disarm(self) -> None:
+        if self._cut is not None:
+            self.cut_fired += self._cut.fired
+            self._cut.remove()
+            self._cut = None
+
+    def on_train_epoch_start(self) -> None:
+        self._arm() if self.current_epoch == 0 else None
+
+    def on_train_epoch_end(self) -> None:
+        self._disarm()
+
+    def on_validation_epoch_start(self) -> None:
+        self._arm() if self.current_epoch == 0 else None
+
+    def on_validation_epoch_end(self) -> None:
+        self._disarm()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"]) + 0.0 * batch["pad"].sum()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"]) + 0.0 * batch["pad"].sum()
+        self.log("val_loss", loss, sync_dist=True)

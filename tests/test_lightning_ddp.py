@@ -140,6 +140,16 @@ def test_ddp_spawn_rank_one_oom_recovers_and_equals_one_process_on_the_union_bat
     assert result["metrics"]["elastic/oom_retries"] == 1.0 and result["metrics"]["elastic/split_count"] == 2.0
 
 
+def test_ddp_spawn_padded_batches_retry_an_oom_in_rank_ones_cut_in_training_and_validation(tmp_path: Path) -> None:
+    """Rank 1 runs out of memory cutting a padded microbatch, once in training, once in validation: no hang,
+    and the weights and the synced validation loss are those of the same fit without the OOMs."""
+    _run_scenario("ddp_spawn_padded", tmp_path)
+    runs = torch.load(tmp_path / "padded.pt")
+    _same(runs[True]["params"], runs[False]["params"])
+    assert abs(runs[True]["val_loss"] - runs[False]["val_loss"]) <= 1e-6 * abs(runs[False]["val_loss"])
+    assert runs[True]["train_oom_retries"] == 1.0 and runs[False]["train_oom_retries"] == 0.0
+
+
 def test_example_lightning_ddp_rank_one_short_of_memory_both_ranks_agree() -> None:
     output = _run_script([str(HERE.parent / "examples" / "lightning_ddp.py"), "--quick"], "examples/lightning_ddp.py")
     # the two ranks print to one pipe: their lines may run together, so each record is found where it is
@@ -258,7 +268,47 @@ def _ddp_spawn(out: Path) -> None:
     torch.save({"params": parameters_of(model), "metrics": metrics}, out / "spawn.pt")
 
 
+def _ddp_spawn_padded(out: Path) -> None:
+    """Padded train and validation batches under ``ddp_spawn``, with and without rank 1's OOMs in the cut."""
+    from _lightning_models import PaddedIdDataset, PaddedRegression, parameters_of, quiet_trainer_kwargs
+
+    import elastic_batches as eb
+    from elastic_batches.lightning import ElasticAccumulation, Trainer
+
+    runs = {}
+    for cut_oom in (False, True):
+        elastic = ElasticAccumulation(
+            controllers={"train": eb.SplitController(split_count=2), "validate": eb.SplitController(split_count=2)}
+        )
+
+        def padded(stage: str, elastic: ElasticAccumulation = elastic) -> eb.MicrobatchingDataLoader:
+            return eb.MicrobatchingDataLoader(
+                DataLoader(PaddedIdDataset(), batch_size=6),
+                pad_values={"pad": 0.0},
+                controller=elastic.controllers[stage],
+            )
+
+        model = PaddedRegression(cut_oom=cut_oom)
+        trainer = Trainer(
+            **quiet_trainer_kwargs(
+                accumulate_grad_batches="auto",
+                strategy="ddp_spawn",
+                devices=2,
+                max_epochs=1,
+                callbacks=[elastic],
+                log_every_n_steps=1,
+            )
+        )
+        trainer.fit(model, padded("train"), padded("validate"))
+        runs[cut_oom] = {
+            "params": parameters_of(model),
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "train_oom_retries": float(trainer.callback_metrics["elastic/oom_retries"]),
+        }
+    torch.save(runs, out / "padded.pt")
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
     scenario, directory = sys.argv[1], Path(sys.argv[2])
-    {"ddp": _ddp, "ddp_spawn": _ddp_spawn}[scenario](directory)
+    {"ddp": _ddp, "ddp_spawn": _ddp_spawn, "ddp_spawn_padded": _ddp_spawn_padded}[scenario](directory)

@@ -124,7 +124,8 @@ class ElasticAccumulation(Callback):
             {stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES}
         )  # what the installed steps, ElasticModule and ElasticDataModule share
         self.controllers: dict[str, SplitController] = self.elastic_stages.controllers
-        self._last_counts = dict.fromkeys(STAGES, 1)
+        self._last_counts = dict.fromkeys(STAGES, 1)  # the count the last line reported
+        self._last_capacity: dict[str, int | None] = dict.fromkeys(STAGES)
         self._train_metrics: dict[str, float] | None = None
         self._installed: tuple[Trainer, ElasticOptimization] | None = None
 
@@ -231,12 +232,14 @@ class ElasticAccumulation(Callback):
                 "elastic/microbatch_size": float(size),
                 "elastic/oom_retries": float(controller.retry_count),
             }
-        before = self._last_counts[stage]
-        if count == before:
+        # A line when what the controller keeps to changes, not for a shorter last batch that needs fewer pieces.
+        capacity = controller.microbatch_size
+        before, known = self._last_counts[stage], self._last_capacity[stage]
+        self._last_capacity[stage] = capacity
+        if capacity == known or count == before:
             return
         self._last_counts[stage] = count
         unit = "rows" if controller.unit == "rows" else "tokens"
-        capacity = controller.microbatch_size
         limit = "no OOM yet" if capacity is None else f"microbatches of at most {capacity} {unit} fit"
         # Lightning's own rank-zero messages reach the console without any logging set up: so does this one.
         rank_zero_info(
