@@ -300,7 +300,8 @@ def test_evaluate_retries_an_oom_in_the_cut_or_in_combine_on_one_rank(ranks: Ran
 def _limit_reached(rank: int, world: int, kind: str, stage: str) -> dict[str, Any]:
     """Rank 0 (12 rows) reaches max_split_count=4 at microbatch size 3 while rank 1 (7 rows) would go on."""
     model = _distribute(kind, _plain_model())
-    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3, max_split_count=4))
+    # FSDP2 gathered once an attempt: gather="auto" would switch to per-module gathering at the limit instead
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3, max_split_count=4), gather="attempt")
     with inject_oom(_inner(model), phase="forward", calls=[0, 3], rank=0):
         return _final_oom(step, model, _batch(0, rank, [12, 7][rank]), stage)
 
@@ -314,9 +315,9 @@ def test_a_limit_reached_on_one_rank_stops_every_rank(ranks: RankPool, kind: str
 
 
 def _parameters_do_not_fit(rank: int, world: int, stage: str) -> dict[str, Any]:
-    """FSDP2: rank 1 cannot hold the unsharded parameters, which every microbatch needs."""
+    """FSDP2 gathered once an attempt: rank 1 cannot hold the unsharded parameters, which every microbatch needs."""
     model = _distribute("fsdp", _plain_model())
-    step = eb.ElasticStep(model, controller=eb.SplitController())
+    step = eb.ElasticStep(model, controller=eb.SplitController(), gather="attempt")
     batch = _batch(0, rank, 8)
     # the sync's own buffers fit (the guard's: 144 bytes), the parameters' 1.6 KB do not
     with MemoryBudget(512 if rank == 1 else 1 << 30):
@@ -458,7 +459,7 @@ def _unsupported_fsdp(rank: int, world: int, case: str) -> str:
         fully_shard(model[0], mesh=_mesh())  # a layer, not the root
     else:
         model = fully_shard(model, mesh=_mesh(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
-    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2), gather="attempt")
     with pytest.raises(NotImplementedError) as raised:
         step.backward(_batch(0, rank, 8), _loss_fn(model))
     dist.barrier()
@@ -1282,7 +1283,7 @@ def _alone(rank: int, world: int, kind: str, options: dict[str, Any]) -> dict[st
         per_step.append(counts)
     return {
         "error": _relative_error(_full(model.parameters()), _reference([12], 3)),
-        "scheme": type(step.sync).__name__,
+        "scheme": type(getattr(step.sync, "active", step.sync)).__name__,  # gather="auto": the scheme it chose
         "syncing": syncing,
         "per_step": per_step,
         "fired": oom.fired,
@@ -1295,8 +1296,8 @@ ALONE = {
     "ddp": ("ddp", {}, "SingleRankDDP", 0, [0, 0, 0]),
     "ddp-static-graph": ("ddp", {"static_graph": True}, "GradientSync", 3, [0, 0, 0]),  # its first backward: DDP's
     "fsdp": ("fsdp", {}, "FullyShard", 0, [2, 1, 1]),  # the OOM's attempt and its retry each vote in one
-    # layouts the several-rank scheme refuses: FSDP2 reduces each microbatch itself
-    "fsdp-shard-1": ("fsdp-shard-1", {}, "GradientSync", 0, [0, 0, 0]),
+    # a layout that gathering once refuses: per module, FSDP2 reduces each microbatch itself
+    "fsdp-shard-1": ("fsdp-shard-1", {}, "ShardPerModule", 0, [0, 0, 0]),
     "fsdp-root-not-sharded": ("fsdp-root-not-sharded", {}, "GradientSync", 0, [0, 0, 0]),
 }
 

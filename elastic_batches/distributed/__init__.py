@@ -61,7 +61,7 @@ GATHER_MODES = ("auto", "attempt", "module")
 def gradient_sync_for(
     model: nn.Module,
     *,
-    gather: str = "attempt",
+    gather: str = "auto",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     fused_bytes: int = DEFAULT_FUSED_BYTES,
 ) -> GradientSync:
@@ -73,11 +73,11 @@ def gradient_sync_for(
 
     Args:
         model: The module ``ElasticStep`` trains (plain, DDP-wrapped or the root FSDP2 module).
-        gather: FSDP2 only: ``"attempt"`` (default) all-gathers every module once an attempt and keeps it
+        gather: FSDP2 only: ``"attempt"`` all-gathers every module once an attempt and keeps it
             unsharded through the microbatches (fast; the memory of DDP); ``"module"`` gathers
             and reshards each module as FSDP2 is configured and reduce-scatters every
-            microbatch's gradients (FSDP2's own memory, every collective guarded); ``"auto"``:
-            once an attempt while every rank can hold the unsharded parameters and
+            microbatch's gradients (FSDP2's own memory, every collective guarded); ``"auto"``
+            (default): once an attempt while every rank can hold the unsharded parameters and
             gradients twice, per module otherwise, and per module after an OOM at the smallest
             microbatch (``docs/distributed.md``).
         bucket_bytes: The most one gradient bucket holds (DDP: per bucket; FSDP2: per rank's part).
