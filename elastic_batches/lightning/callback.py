@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.controller import SplitController
+from elastic_batches.distributed import GATHER_MODES
 from elastic_batches.lightning._evaluation import STAGE_OF_HOOK, elastic_evaluation_hook
 from elastic_batches.lightning._logging import LogRecorder
 from elastic_batches.lightning._training import ElasticOptimization
@@ -79,12 +80,16 @@ class ElasticAccumulation(Callback):
             ``MicrobatchingDataLoader``, or to set ``min_microbatch_size``, ``grow_after``...).
             Other stages get a new ``SplitController()``.
         split_evaluation: ``False`` leaves validation, test and predict batches whole.
+        gather: FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``):
+            ``"auto"`` (default), ``"attempt"`` or ``"module"``, as for
+            :class:`elastic_batches.ElasticStep`; ignored by other strategies.
 
     Attributes:
         controllers: The controller of each stage.
 
     Raises:
-        ValueError: ``controllers`` names an unknown stage, or ``accumulate_grad_batches`` < 1.
+        ValueError: ``controllers`` names an unknown stage, ``accumulate_grad_batches`` < 1, or
+            ``gather`` is not one of ``"auto"``, ``"attempt"``, ``"module"``.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -103,7 +108,10 @@ class ElasticAccumulation(Callback):
         *,
         controllers: Mapping[str, SplitController] | None = None,
         split_evaluation: bool = True,
+        gather: str = "auto",
     ) -> None:
+        if gather not in GATHER_MODES:
+            raise ValueError(f"ElasticAccumulation: gather must be one of {list(GATHER_MODES)}, got {gather!r}")
         if accumulate_grad_batches is not None and (
             isinstance(accumulate_grad_batches, bool)
             or not isinstance(accumulate_grad_batches, int)
@@ -124,6 +132,7 @@ class ElasticAccumulation(Callback):
                 )
         self.accumulate_grad_batches = accumulate_grad_batches
         self.split_evaluation = split_evaluation
+        self.gather = gather
         self.controllers: dict[str, SplitController] = {
             stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES
         }
@@ -226,7 +235,7 @@ class ElasticAccumulation(Callback):
         assert model is not None, "the strategy has no model yet"
         step = self._steps.get(stage)
         if step is None or step.model is not model:
-            step = self._steps[stage] = ElasticStep(model, controller=self.controllers[stage])
+            step = self._steps[stage] = ElasticStep(model, controller=self.controllers[stage], gather=self.gather)
         step.controller = self.controllers[stage]
         step.backward_fn = backward_fn
         return step
