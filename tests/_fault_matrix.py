@@ -4,7 +4,8 @@ A *cell* is one combination of
 
 * the loop: ``"plain"`` (``ElasticStep.backward`` + ``ElasticStep.optimizer_step``) or
   ``"lightning"`` (``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``);
-* the setting: ``"single"`` (one process), ``"ddp"`` or ``"fsdp2"`` (two gloo ranks);
+* the setting: ``"single"`` (one process), ``"ddp"``, ``"fsdp2"`` (``gather="auto"``: this model
+  gathers once an attempt) or ``"fsdp2-module"`` (``gather="module"``) on two gloo ranks;
 * the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
   padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
   its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already
@@ -68,11 +69,12 @@ FEATURES = 6
 WIDTH = 16
 LR = 0.1
 MAX_GRAD_NORM = 0.25  # every cell clips (the reference with torch's clip_grad_norm_)
-RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5}  # float32, relative to the largest weight
+RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5}  # float32, relative to the largest weight
 ID_TOLERANCE = 1e-4  # |gradient x GLOBAL_ROWS - round(...)| per embedding row
 
 LOOPS = ("plain", "lightning")
-SETTINGS = ("single", "ddp", "fsdp2")
+SETTINGS = ("single", "ddp", "fsdp2", "fsdp2-module")
+GATHER = {"fsdp2-module": "module"}  # ElasticStep's gather= per setting; "auto" otherwise
 PHASES = ("transfer", "cut", "count", "forward", "backward", "sum", "clip", "step")
 MICROBATCH_PHASES = ("transfer", "cut", "count", "forward", "backward")  # struck at a chosen microbatch
 RECOVERING_PHASES = (*MICROBATCH_PHASES, "sum")  # between the start of an attempt and the vote
@@ -292,10 +294,25 @@ def expected_outcome(cell: Cell, rank: int, rows: int) -> tuple[int, int]:
     if not cell.recovers:
         return first, 0
     if cell.ranks != "both":
-        return retry, _discarded_by_failing(cell, first) if cell.fires_on(rank) else first
+        return retry, _discarded_by_failing(cell, first) if cell.fires_on(rank) else _discarded_by_peer(cell, first)
     if rank == 0:  # fails in the first attempt; runs all of the retry, in which rank 1 fails
-        return third, _discarded_by_failing(cell, first) + retry
-    return third, first + _discarded_by_failing(cell, retry)
+        return third, _discarded_by_failing(cell, first) + _discarded_by_peer(cell, retry)
+    return third, _discarded_by_peer(cell, first) + _discarded_by_failing(cell, retry)
+
+
+def _discarded_by_peer(cell: Cell, count: int) -> int:
+    """The microbatches a rank throws away in an attempt of ``count`` microbatches in which its peer fails.
+
+    All of them, except where FSDP2's collectives are guarded per module: the rank stops at its
+    first collective after the peer's failure, in the microbatch it fails in (``count_fn``: in
+    the first one, after counting every microbatch), having started it.
+    """
+    if cell.setting != "fsdp2-module" or cell.phase == "sum":
+        return count
+    if cell.phase == "count":
+        return 1
+    assert cell.position is not None
+    return _position(cell.position, count) + 1
 
 
 def _discarded_by_failing(cell: Cell, count: int) -> int:
@@ -332,8 +349,21 @@ def oom_call(cell: Cell, rank: int, rows: int) -> int | None:
     assert cell.position is not None
     first, retry, _ = predicted_counts(rows)
     if second:
-        return first + _position(cell.position, retry)
+        return _calls_before_peer_failed(cell, first) + _position(cell.position, retry)
     return _position(cell.position, first)
+
+
+def _calls_before_peer_failed(cell: Cell, count: int) -> int:
+    """The calls (of the cell's phase) a rank makes in an attempt of ``count`` microbatches in which its peer fails.
+
+    All of them, except where FSDP2's collectives are guarded per module: the rank stops in the
+    microbatch its peer fails in, after that microbatch's call (``count_fn``: after every
+    microbatch's, which come first).
+    """
+    if cell.setting != "fsdp2-module" or cell.phase == "count":
+        return count
+    assert cell.position is not None
+    return _position(cell.position, count) + 1
 
 
 class _CountOOM:
@@ -412,7 +442,7 @@ def distribute(setting: str, model: IdModel) -> nn.Module:
         return model
     if setting == "ddp":
         return nn.parallel.DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # "fsdp2", "fsdp2-module"
 
     for part in (model.net[0], model.net[2], model.ids):
         fully_shard(part, mesh=_mesh())
@@ -435,7 +465,8 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
     snapshots = snapshots if snapshots is not None else reference()
     model = distribute(cell.setting, IdModel())
     controller = eb.SplitController(split_count=SPLIT)
-    step = eb.ElasticStep(model, controller=controller, device="cpu" if cell.phase == "transfer" else None)
+    device = "cpu" if cell.phase == "transfer" else None
+    step = eb.ElasticStep(model, controller=controller, device=device, gather=GATHER.get(cell.setting, "auto"))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     def loss_fn(mb: Any) -> torch.Tensor:
@@ -538,7 +569,7 @@ def _lightning_module(cell: Cell, rank: int, rows: int) -> Any:
             self.optimizer: FaultySGD | None = None
 
         def configure_model(self) -> None:
-            if cell.setting == "fsdp2":
+            if cell.setting.startswith("fsdp2"):
                 _shard(self, (self.net[0], self.net[2], self.ids))
 
         def on_fit_start(self) -> None:
@@ -621,7 +652,7 @@ def _trainer(setting: str, world: int, elastic: Any, **kwargs: Any) -> Any:
     from elastic_batches.lightning import Trainer
 
     strategy: Any = {"single": "auto", "ddp": "ddp"}.get(setting)
-    if setting == "fsdp2":
+    if setting.startswith("fsdp2"):
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     return Trainer(
         accumulate_grad_batches="auto",
@@ -659,7 +690,8 @@ def run_lightning_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Sna
     snapshots = snapshots if snapshots is not None else reference()
     rows = GLOBAL_ROWS // world
     module = _lightning_module(cell, rank, rows)
-    elastic = ElasticAccumulation(controllers={"train": eb.SplitController(split_count=SPLIT)})
+    controllers = {"train": eb.SplitController(split_count=SPLIT)}
+    elastic = ElasticAccumulation(controllers=controllers, gather=GATHER.get(cell.setting, "auto"))
     trainer = _trainer(
         cell.setting,
         world,
@@ -820,14 +852,15 @@ def run_lightning_validation(rank: int, world: int, setting: str, fire_rank: int
             self.net, self.ids = model.net, model.ids
 
         def configure_model(self) -> None:
-            if setting == "fsdp2":
+            if setting.startswith("fsdp2"):
                 _shard(self, (self.net[0], self.net[2], self.ids))
 
         def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
             loss = loss_of((self.net(batch["x"]), self.ids(batch["id"])), batch["y"]) + 0.0 * batch["pad"].sum()
             self.log("val_loss", loss, sync_dist=True)
 
-    elastic = ElasticAccumulation(controllers={"validate": eb.SplitController(split_count=SPLIT)})
+    controllers = {"validate": eb.SplitController(split_count=SPLIT)}
+    elastic = ElasticAccumulation(controllers=controllers, gather=GATHER.get(setting, "auto"))
     trainer = _trainer(setting, world, elastic)
     rows = GLOBAL_ROWS // world
     loader = eb.MicrobatchingDataLoader(
