@@ -619,3 +619,47 @@ def test_lightning_model_parallel_trains_per_module_through_an_oom_on_rank_1(ran
     for result in results:
         assert result["scheme"] == "ShardPerModule"
         assert result["error"] <= RTOL, f"relative weight error against the plain Trainer {result['error']:.2e}"
+
+
+# -- errors other than an OOM, FSDP1 ------------------------------------------------------------------
+
+
+def _error_on_rank_1(rank: int, world: int) -> str:
+    model = _shard(_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module")
+    calls = [0]
+
+    def loss_fn(mb: Any) -> torch.Tensor:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 2:  # in the second microbatch's forward, between two all-gathers
+            raise KeyError("the user's bug")
+        return _loss_fn(model)(mb)
+
+    with pytest.raises(Exception) as raised:
+        step.backward(_batch(0, rank, 12), loss_fn)
+    dist.barrier()
+    return f"{type(raised.value).__name__}: {raised.value}"
+
+
+def test_per_module_an_error_on_one_rank_raises_on_every_rank(ranks: RankPool) -> None:
+    errors = ranks.run(_error_on_rank_1, timeout=60)
+    assert errors[1] == 'KeyError: "the user\'s bug"'
+    assert errors[0].startswith("RuntimeError") and "rank(s) [1] raised an error other than an OOM" in errors[0]
+
+
+class FullyShardedDataParallel(nn.Module):  # named as FSDP1's wrapper, which needs an accelerator to be made
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+
+def _fsdp1(rank: int, world: int) -> str:
+    with pytest.raises(NotImplementedError) as raised:
+        distributed.gradient_sync_for(FullyShardedDataParallel())
+    return str(raised.value)
+
+
+def test_fsdp1_is_refused_naming_fully_shard_and_model_parallel_strategy(ranks: RankPool) -> None:
+    for message in ranks.run(_fsdp1, timeout=60):
+        assert "FSDP1 (FullyShardedDataParallel)" in message
+        assert "fully_shard" in message and "ModelParallelStrategy" in message
