@@ -45,6 +45,12 @@ class PeerFailure(torch.OutOfMemoryError):
 
     ``ElasticStep`` catches it like an OOM: the rank stops its attempt, meets its peers at the
     vote (as a rank that did not run out of memory itself), and every rank retries the batch.
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.distributed import PeerFailure
+        >>> isinstance(PeerFailure("rank 1 ran out of memory"), torch.OutOfMemoryError)
+        True
     """
 
 
