@@ -45,8 +45,19 @@ and reduces nothing (its "vote" and "sync" columns are then Python only), and FS
 two ranks; the hand-written loops are the same as above (DDP's reducer still copies and
 all-reduces the last microbatch's gradients, with no peer).
 
-Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds).
-Prints a table, then one JSON line per model and scheme.
+FSDP2's gathering modes (issue 15), on 2 ranks (a 1-D mesh) and on 4 (HSDP, a (2, 2) mesh):
+``ElasticStep(gather="module")`` against FSDP2's own gradient-accumulation recipe at the same
+split (every microbatch forward and backward with FSDP2's default resharding, each backward
+reduce-scattering into the sharded ``.grad``), and ``gather="attempt"`` (all-gathered once an
+attempt) beside them. Per pair: time per step (medians over interleaved rounds, the ratio the
+median of per-round ratios), the per-rank peak of live bytes of one step measured with
+``testing.MemoryBudget`` (storage resizes counted; the largest over ranks), FSDP2's collectives
+per microbatch and the side channel's guard rounds ``ElasticStep`` adds per microbatch and per
+step, and a guard round's own latency with the ranks arriving together. Models: the small MLP
+above, and a wide one (4 units of 512x512 at 32 rows: parameters and gradients dominate).
+
+Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds;
+``--modes``: only FSDP2's gathering modes). Prints a table, then one JSON line per model and scheme.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -337,7 +349,201 @@ def _run(world: int) -> list[dict[str, Any]]:
     return records
 
 
+# -- FSDP2's gathering modes: per module and once an attempt, against FSDP2's own recipe ---------------
+
+MODES_TARGET = 1.10
+MODES_MODELS = {
+    # name: (features, hidden width, hidden layers, rows per rank); hidden layers + 1 FSDP2 units
+    "mlp-small": (64, 128, 2, 64),
+    "wide": (512, 512, 3, 32),  # 4 units, 0.8 M parameters, little activation: parameters and gradients dominate
+}
+MODES_ROUNDS = {"mlp-small": 30, "wide": 20}
+# FSDP2's recipe, per module, gathered once; and gathered once at 4x the microbatches (what "auto" trades)
+MODES_VARIANTS = ("recipe", "module", "attempt", "attempt-x4")
+
+
+def _fsdp2_recipe(model: Any, pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> None:
+    """FSDP2's own gradient accumulation: each microbatch's backward reduce-scatters into the sharded .grad."""
+    for xi, yi in pieces:
+        (nn.functional.mse_loss(model(xi), yi) * (len(xi) / rows)).backward()
+
+
+def _modes_variants(name: str, rank: int, mesh: Any) -> tuple[dict[str, Callable[[], None]], dict[str, Any]]:
+    features, width, layers, rows = MODES_MODELS[name]
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(rows, features, generator=generator)
+    y = torch.randn(rows, 1, generator=generator)
+    pieces = list(zip(x.tensor_split(SPLIT), y.tensor_split(SPLIT), strict=True))
+    models = {variant: _fsdp(_model(features, width, layers), mesh) for variant in MODES_VARIANTS}
+    optimizers = {variant: torch.optim.SGD(m.parameters(), lr=1e-3) for variant, m in models.items()}
+    steps = {
+        variant: eb.ElasticStep(
+            models[variant],
+            controller=eb.SplitController(split_count=SPLIT * (4 if variant == "attempt-x4" else 1)),
+            gather=variant.split("-")[0],
+        )
+        for variant in MODES_VARIANTS[1:]
+    }
+
+    def run(variant: str) -> Callable[[], None]:
+        model = models[variant]
+
+        def one() -> None:
+            if variant == "recipe":
+                _fsdp2_recipe(model, pieces, rows)
+            else:
+                batch = eb.ElasticBatch.deferred((x, y), split_count=steps[variant].controller.split_count)
+                steps[variant].backward(batch, lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1]))
+            optimizers[variant].step()
+            optimizers[variant].zero_grad(set_to_none=True)
+
+        return one
+
+    return {variant: run(variant) for variant in models}, {"steps": steps}
+
+
+def _peak_bytes(fn: Callable[[], None]) -> int:
+    """The largest over ranks of one call's peak live bytes (MemoryBudget, storage resizes counted)."""
+    from elastic_batches.testing import MemoryBudget
+
+    with MemoryBudget() as budget:
+        fn()
+    peak = torch.tensor([budget.peak_bytes], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+@contextlib.contextmanager
+def _fsdp2_collectives() -> Iterator[dict[str, int]]:
+    """FSDP2's own all-gathers and reduce-scatters (its default comms' calls)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    counts = {"all_gathers": 0, "reduce_scatters": 0}
+    originals = [(DefaultAllGather, DefaultAllGather.__call__), (DefaultReduceScatter, DefaultReduceScatter.__call__)]
+
+    def counted(original: Any, name: str) -> Any:
+        def call(comm: Any, *args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return original(comm, *args, **kwargs)
+
+        return call
+
+    for (cls, original), name in zip(originals, counts, strict=True):
+        cls.__call__ = counted(original, name)  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        for cls, original in originals:
+            cls.__call__ = original  # type: ignore[method-assign]
+
+
+def _guard_round_ms(guard: Any, calls: int = 200) -> float:
+    """One guard round's latency with the ranks arriving together (the slower rank's mean)."""
+    from elastic_batches.distributed.guard import ALL_GATHER_OP
+
+    guard.start()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        guard.before(ALL_GATHER_OP, 1)
+    elapsed = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return 1e3 * float(elapsed)
+
+
+def _modes_worker(rank: int, world: int, init_file: str, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hsdp = world == 4
+    shape, names = ((2, 2), ("replicate", "shard")) if hsdp else ((world,), None)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    records = []
+    for name in MODES_MODELS:
+        variants, probes = _modes_variants(name, rank, mesh)
+        rounds = 4 if QUICK else MODES_ROUNDS[name]
+        times, _ = _measure(variants, rounds)
+        peaks = {variant: _peak_bytes(fn) for variant, fn in variants.items()}
+        per_step: dict[str, dict[str, float]] = {}
+        for variant, fn in variants.items():
+            guard = probes["steps"][variant].sync.guard if variant != "recipe" else None
+            rounds_before = guard.rounds if guard is not None else 0
+            with _fsdp2_collectives() as counts:
+                fn()
+            per_step[variant] = {**counts, "guard_rounds": (guard.rounds - rounds_before) if guard else 0}
+        median = {variant: statistics.median(t) for variant, t in times.items()}
+        ratio = {v: statistics.median(e / p for e, p in zip(times[v], times["recipe"], strict=True)) for v in times}
+        records.append(
+            {
+                "benchmark": "distributed_overhead_fsdp2_modes",
+                "ranks": world,
+                "mesh": "hsdp (2, 2)" if hsdp else f"1-D ({world})",
+                "model": name,
+                "split": SPLIT,
+                "rounds": rounds,
+                "ms": {v: 1e3 * t for v, t in median.items()},
+                "time_ratio_to_recipe": ratio,
+                "peak_bytes": peaks,
+                "peak_ratio_to_recipe": {v: peaks[v] / peaks["recipe"] for v in peaks},
+                "per_step": per_step,
+                "guard_round_ms": _guard_round_ms(probes["steps"]["module"].sync.guard),
+                "target": MODES_TARGET,
+            }
+        )
+    if rank == 0:
+        results.put(records)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+_MODES_NAMES = {"recipe": "FSDP2 recipe", "attempt-x4": f"gather=attempt, split {4 * SPLIT}"}
+
+
+def _modes_table(records: list[dict[str, Any]]) -> None:
+    headers = ["ranks", "mesh", "model", "variant", "ms/step", "time vs recipe", "peak MB", "peak vs recipe"]
+    headers += ["FSDP2 ag/mb", "FSDP2 rs/mb", "guard rounds/mb", "guard rounds/step", "guard ms/round"]
+    rows = []
+    splits = {variant: 4 * SPLIT if variant == "attempt-x4" else SPLIT for variant in MODES_VARIANTS}
+    for r in records:
+        for variant in MODES_VARIANTS:
+            counts = r["per_step"][variant]
+            rows.append(
+                [r["ranks"], r["mesh"], r["model"], _MODES_NAMES.get(variant, f"gather={variant}"),
+                 f"{r['ms'][variant]:.2f}", f"{r['time_ratio_to_recipe'][variant]:.3f}",
+                 f"{r['peak_bytes'][variant] / 2**20:.2f}", f"{r['peak_ratio_to_recipe'][variant]:.3f}",
+                 f"{counts['all_gathers'] / splits[variant]:g}", f"{counts['reduce_scatters'] / splits[variant]:g}",
+                 f"{counts['guard_rounds'] / splits[variant]:.2f}", f"{counts['guard_rounds']:g}",
+                 f"{r['guard_round_ms']:.3f}" if variant == "module" else ""]
+            )  # fmt: skip
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+    print(f"FSDP2 gathering modes vs FSDP2's own accumulation recipe at split {SPLIT} (target <= {MODES_TARGET}x)")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def _run_modes(world: int) -> list[dict[str, Any]]:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_modes_worker, args=(r, world, init_file, results)) for r in range(world)]
+        for process in processes:
+            process.start()
+        records: list[dict[str, Any]] = results.get(timeout=1800)
+        for process in processes:
+            process.join()
+    return records
+
+
 def main() -> None:
+    modes = _run_modes(2) + _run_modes(4)
+    _modes_table(modes)
+    if "--modes" in sys.argv[1:]:
+        for r in modes:
+            print(json.dumps(r))
+        return
     records = _run(2) + _run(1)
     headers = ["ranks", "model", "scheme", "rounds", "plain ms", "elastic ms", "ratio", "cpu over plain ms", "vote ms"]
     headers += ["vote alone ms", "all_gather vote ms", "elastic sync ms", "plain sync ms", "collectives/step"]
@@ -361,7 +567,7 @@ def main() -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
-    for r in records:
+    for r in modes + records:
         print(json.dumps(r))
 
 

@@ -31,7 +31,7 @@ DEADLINE_S = 180
 
 COLUMNS = [("single", "0", "one process")] + [
     (setting, ranks, f"{name} {label}")
-    for setting, name in (("ddp", "DDP"), ("fsdp2", "FSDP2"))
+    for setting, name in (("ddp", "DDP"), ("fsdp2", "FSDP2"), ("fsdp2-module", "FSDP2 per module"))
     for ranks, label in (("0", "rank 0"), ("1", "rank 1"), ("both", "both ranks"))
 ]
 HEADINGS = {

@@ -15,7 +15,7 @@ from elastic_batches._warnings import warn_on_rank_zero, warn_once
 from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
-from elastic_batches.distributed import GradientSync, Verdict, gradient_sync_for
+from elastic_batches.distributed import GATHER_MODES, GradientSync, Verdict, gradient_sync_for
 from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
@@ -67,14 +67,23 @@ def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     return leaves
 
 
-def _stop_together(sync: GradientSync, final: ElasticOOMError | None, oom: BaseException | None) -> None:
+def _stop_together(
+    sync: GradientSync, final: ElasticOOMError | None, oom: BaseException | None, controller: SplitController
+) -> None:
     """After an OOM, every rank learns whether any rank reached its smallest microbatch; then all raise or none.
 
     Ranks with different batches may reach a limit (``max_split_count``, ``min_microbatch_size``
     in tokens) at different times; this small collective runs only after an OOM, never in a
-    step that fitted.
+    step that fitted. Where the scheme can switch to one that holds less memory (FSDP2
+    ``gather="auto"``), every rank does instead of raising, and the controller forgets the sizes
+    that failed under the old one.
     """
     outcome = sync.agree(Status.OOM if final is not None else Status.OK)
+    if (final is not None or outcome.status != Status.OK) and sync.fall_back():
+        state = controller.state_dict()
+        state.update(fits=0, fails=None, grow_pending=False, retry_count=state["retry_count"] + 1)
+        controller.load_state_dict(state)
+        return
     if final is not None:
         raise final from oom
     if outcome.status != Status.OK:
@@ -128,6 +137,11 @@ class ElasticStep:
             for a framework's own backward (the Lightning integration passes the strategy's,
             which applies the precision plugin's scaler and the backward hooks). Excludes
             ``grad_scaler``.
+        gather: FSDP2 only (ignored otherwise): ``"attempt"`` all-gathers every module once an
+            attempt (fast; the memory of DDP), ``"module"`` gathers per module as FSDP2 is
+            configured (FSDP2's own memory), ``"auto"`` (default) once an attempt while the
+            unsharded model leaves room, per module otherwise (see
+            ``elastic_batches.distributed.gradient_sync_for``).
 
     Example:
         >>> import torch
@@ -149,7 +163,10 @@ class ElasticStep:
         grad_scaler: torch.amp.GradScaler | None = None,
         device: torch.device | str | None = None,
         backward_fn: Callable[[torch.Tensor], Any] | None = None,
+        gather: str = "auto",
     ) -> None:
+        if gather not in GATHER_MODES:
+            raise ValueError(f"ElasticStep: gather must be one of {list(GATHER_MODES)}, got {gather!r}")
         if grad_scaler is not None and backward_fn is not None:
             raise ValueError("ElasticStep: pass grad_scaler or backward_fn, not both (backward_fn does the scaling)")
         if not isinstance(model, nn.Module):
@@ -161,6 +178,7 @@ class ElasticStep:
         self.grad_scaler = grad_scaler
         self.device = None if device is None else torch.device(device)
         self.backward_fn = backward_fn
+        self.gather = gather
         self._sync: GradientSync | None = None
         self._rollback = Rollback(model)
         self._batchnorms: list[tuple[str, nn.Module]] | None = None  # listed when a batch is first split
@@ -177,7 +195,7 @@ class ElasticStep:
         ``step.sync = elastic_batches.distributed.gradient_sync_for(model, bucket_bytes=...)``.
         """
         if self._sync is None:
-            self._sync = gradient_sync_for(self.model)
+            self._sync = gradient_sync_for(self.model, gather=self.gather)
         return self._sync
 
     @sync.setter
@@ -365,7 +383,7 @@ class ElasticStep:
         try:
             while True:
                 self._check_gather(where)
-                count = self.controller.plan(load, tag=tag)
+                count = self.sync.agree_count(self.controller.plan(load, tag=tag))
                 attempt = _Attempt(size=load.size_at(count))
                 try:
                     if not saved:  # inside the attempt: what saving allocates is the attempt's
@@ -418,6 +436,7 @@ class ElasticStep:
                 counts = [float(count_fn(mb.unwrap())) for mb in cut]
                 attempt.total = total = math.fsum(counts)
                 microbatches = [mb.reweighted(c / total if total else 0.0) for mb, c in zip(cut, counts, strict=True)]
+            self.sync.weigh(attempt.total)
             for mb in microbatches:
                 attempt.started += 1
                 if mb.weight == 0.0:
@@ -455,7 +474,7 @@ class ElasticStep:
             final = self._batchnorm_limit(load, batch.split_count, verdict.oom_size)
         except ElasticOOMError as err:
             final = err
-        _stop_together(self.sync, final, error)
+        _stop_together(self.sync, final, error, self.controller)
 
     def _check_gather(self, where: str) -> None:
         """Raise on every rank when some rank cannot hold what an attempt gathers before its microbatches."""

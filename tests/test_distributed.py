@@ -300,7 +300,8 @@ def test_evaluate_retries_an_oom_in_the_cut_or_in_combine_on_one_rank(ranks: Ran
 def _limit_reached(rank: int, world: int, kind: str, stage: str) -> dict[str, Any]:
     """Rank 0 (12 rows) reaches max_split_count=4 at microbatch size 3 while rank 1 (7 rows) would go on."""
     model = _distribute(kind, _plain_model())
-    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3, max_split_count=4))
+    # FSDP2 gathered once an attempt: gather="auto" would switch to per-module gathering at the limit instead
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=3, max_split_count=4), gather="attempt")
     with inject_oom(_inner(model), phase="forward", calls=[0, 3], rank=0):
         return _final_oom(step, model, _batch(0, rank, [12, 7][rank]), stage)
 
@@ -314,11 +315,12 @@ def test_a_limit_reached_on_one_rank_stops_every_rank(ranks: RankPool, kind: str
 
 
 def _parameters_do_not_fit(rank: int, world: int, stage: str) -> dict[str, Any]:
-    """FSDP2: rank 1 cannot hold the unsharded parameters, which every microbatch needs."""
+    """FSDP2 gathered once an attempt: rank 1 cannot hold the unsharded parameters, which every microbatch needs."""
     model = _distribute("fsdp", _plain_model())
-    step = eb.ElasticStep(model, controller=eb.SplitController())
+    step = eb.ElasticStep(model, controller=eb.SplitController(), gather="attempt")
     batch = _batch(0, rank, 8)
-    with MemoryBudget(256 if rank == 1 else 1 << 30):
+    # the sync's own buffers fit (the guard's: 144 bytes), the parameters' 1.6 KB do not
+    with MemoryBudget(512 if rank == 1 else 1 << 30):
         return _final_oom(step, model, batch, stage)
 
 
@@ -457,7 +459,7 @@ def _unsupported_fsdp(rank: int, world: int, case: str) -> str:
         fully_shard(model[0], mesh=_mesh())  # a layer, not the root
     else:
         model = fully_shard(model, mesh=_mesh(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
-    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2), gather="attempt")
     with pytest.raises(NotImplementedError) as raised:
         step.backward(_batch(0, rank, 8), _loss_fn(model))
     dist.barrier()
@@ -469,7 +471,7 @@ def _unsupported_fsdp(rank: int, world: int, case: str) -> str:
     [
         (
             "shard_placement",
-            r"supports FSDP2 with a 1-D mesh and Shard\(0\) parameters.*got placements \(Shard\(dim=1\),\)",
+            r"once an attempt supports FSDP2 with Shard\(0\) parameters.*got placements \(Shard\(dim=1\),\)",
         ),
         ("root_not_sharded", r"Sequential holds FSDP2 modules but is not one itself: apply fully_shard to the root"),
     ],
@@ -1013,7 +1015,9 @@ def test_ddp_a_layer_frozen_when_wrapped_trains_once_unfrozen_as_in_one_process(
 
 def _fsdp_fused(rank: int, world: int, plan: list[Any], fused_bytes: int) -> dict[str, Any]:
     """3 FSDP2 steps of split 3 (gradients riding with the vote: at most ``fused_bytes`` a rank); collectives a step."""
-    model, step, per_step, fired = _counted_steps(rank, "fsdp", plan, [12, 12], fused_bytes=fused_bytes)
+    model, step, per_step, fired = _counted_steps(
+        rank, "fsdp", plan, [12, 12], fused_bytes=fused_bytes, gather="attempt"
+    )
     assert isinstance(step.sync, distributed.fsdp2.FullyShard)
     return {
         "error": _relative_error(_full(model.parameters()), _reference([12, 12], 3)),
@@ -1037,7 +1041,8 @@ def test_fsdp2_runs_one_small_collective_a_step_and_votes_in_the_reduce_scatter(
 ) -> None:
     for result in ranks.run(_fsdp_fused, [], fused_bytes, timeout=60):
         assert result["error"] <= RTOL
-        gathers = 1 + result["unshards"]  # the gather check, then FSDP2's own all-gathers
+        # the gather check, then FSDP2's own all-gathers, each after its guard round
+        gathers = 1 + 2 * result["unshards"]
         for counts in result["per_step"]:
             assert counts == {"all_reduce": 0, GATHER: gathers, "all_gather": 0, "broadcast": 0, SCATTER: scatters}
 
@@ -1054,9 +1059,9 @@ def test_fsdp2_a_rank_that_failed_joins_the_vote_in_the_reduce_scatter(
     for result in results:
         assert result["error"] <= RTOL
         failed = result["per_step"][1]
-        # each attempt: its gather check, FSDP2's all-gathers and the vote's reduce-scatter (the failed
-        # attempt: that one only); between them, the small collective after an OOM
-        assert failed[GATHER] == 2 * (1 + result["unshards"]) + 1
+        # each attempt: its gather check, FSDP2's all-gathers (each after its guard round) and the vote's
+        # reduce-scatter (the failed attempt: that one only); between them, the small collective after an OOM
+        assert failed[GATHER] == 2 * (1 + 2 * result["unshards"]) + 1
         assert failed[SCATTER] == 1 + scatters and failed["all_reduce"] == 0
 
 
@@ -1278,7 +1283,7 @@ def _alone(rank: int, world: int, kind: str, options: dict[str, Any]) -> dict[st
         per_step.append(counts)
     return {
         "error": _relative_error(_full(model.parameters()), _reference([12], 3)),
-        "scheme": type(step.sync).__name__,
+        "scheme": type(getattr(step.sync, "active", step.sync)).__name__,  # gather="auto": the scheme it chose
         "syncing": syncing,
         "per_step": per_step,
         "fired": oom.fired,
@@ -1291,8 +1296,8 @@ ALONE = {
     "ddp": ("ddp", {}, "SingleRankDDP", 0, [0, 0, 0]),
     "ddp-static-graph": ("ddp", {"static_graph": True}, "GradientSync", 3, [0, 0, 0]),  # its first backward: DDP's
     "fsdp": ("fsdp", {}, "FullyShard", 0, [2, 1, 1]),  # the OOM's attempt and its retry each vote in one
-    # layouts the several-rank scheme refuses: FSDP2 reduces each microbatch itself
-    "fsdp-shard-1": ("fsdp-shard-1", {}, "GradientSync", 0, [0, 0, 0]),
+    # a layout that gathering once refuses: per module, FSDP2 reduces each microbatch itself
+    "fsdp-shard-1": ("fsdp-shard-1", {}, "ShardPerModule", 0, [0, 0, 0]),
     "fsdp-root-not-sharded": ("fsdp-root-not-sharded", {}, "GradientSync", 0, [0, 0, 0]),
 }
 

@@ -414,9 +414,9 @@ def test_manual_optimization_keeps_one_step_and_its_gradient_sync_for_the_fit(
     built: list[torch.nn.Module] = []
     original = eb.step.gradient_sync_for
 
-    def counted(model: torch.nn.Module) -> Any:
+    def counted(model: torch.nn.Module, **options: Any) -> Any:
         built.append(model)
-        return original(model)
+        return original(model, **options)
 
     monkeypatch.setattr(eb.step, "gradient_sync_for", counted)
     model = ElasticManual()

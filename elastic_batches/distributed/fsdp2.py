@@ -1,9 +1,10 @@
-"""FSDP2 (``fully_shard``): every module unsharded once an attempt, the vote in the first reduce-scatter.
+"""FSDP2 (``fully_shard``), gathered once an attempt: every module unsharded once, the vote in the first reduce-scatter.
 
 No collective runs inside a microbatch: before the first one every FSDP2 module is all-gathered
-(after a gather check on which every rank agrees), and reduction and resharding are switched off
-until the last one is done; the accumulated unsharded gradients are then reduce-scattered into
-the sharded ``.grad`` through buffers allocated before the vote.
+(after a gather check on which every rank agrees, each all-gather guarded: ``guard.py``), and
+reduction and resharding are switched off until the last one is done; the accumulated unsharded
+gradients are then reduce-scattered into the sharded ``.grad`` through buffers allocated before
+the vote (HSDP: reduce-scattered in the shard group, then all-reduced across replicas).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_batches.distributed.buckets import DEFAULT_BUCKET_BYTES, group_by_bytes
+from elastic_batches.distributed.guard import CollectiveGuard, guarded_comms, side_channel
 from elastic_batches.distributed.plain import Agreeing
-from elastic_batches.distributed.protocol import Rows, Verdict, verdict_of
+from elastic_batches.distributed.protocol import Rows, Verdict, agreement_of, check_values, verdict_of
 from elastic_batches.distributed.wire import REDUCE_SCATTER, VOTE_BYTES, UsedMap, VoteBytes
 from elastic_batches.oom import Status, status_of
 
-__all__ = ["DEFAULT_FUSED_BYTES", "FullyShard", "fsdp_module_type", "param_groups"]
+__all__ = ["DEFAULT_FUSED_BYTES", "FSDPLayout", "FullyShard", "fsdp_module_type", "param_groups"]
 
 DEFAULT_FUSED_BYTES = 1024 * 1024  # gradients that ride with the vote, per rank's part
 # The dtype of the vote's reduce-scatter (float64 when some gradient is float64), and the gradient
@@ -41,6 +43,78 @@ def fsdp_module_type() -> type | None:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return None
     return FSDPModule
+
+
+class FSDPLayout:
+    """What both FSDP2 schemes need of a sharded model: its FSDP2 modules, parameters, mesh and process groups.
+
+    Args:
+        model: The root FSDP2 module.
+
+    Raises:
+        NotImplementedError: a trained parameter is not sharded by ``fully_shard``, the
+            parameters lie on different meshes, the mesh is neither 1-D nor 2-D (HSDP), or torch
+            lacks ``reset_iter_state``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        fsdp_module = fsdp_module_type()
+        assert fsdp_module is not None
+        if not hasattr(model, "reset_iter_state"):
+            raise NotImplementedError(
+                f"ElasticStep needs FSDPModule.reset_iter_state to recover FSDP2 after an OOM; torch "
+                f"{torch.__version__} lacks it: upgrade torch (tested with 2.13)"
+            )
+        self.root: Any = model
+        self.modules: list[Any] = [m for m in model.modules() if isinstance(m, fsdp_module)]
+        self.groups: list[Any] = [group for module in self.modules for group in param_groups(module)]
+        self.params: list[Any] = [fp for group in self.groups for fp in group.fsdp_params]
+        managed = {id(fp.sharded_param) for fp in self.params}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in managed:
+                raise NotImplementedError(
+                    f"ElasticStep: parameter {name!r} of the FSDP2 model is not sharded by fully_shard "
+                    "(ignored_params?); shard every trained parameter"
+                )
+        # fully_shard without mesh= makes a new, equal DeviceMesh per call: meshes are compared by equality.
+        meshes: list[Any] = []
+        for fp in self.params:
+            if not any(fp.sharded_param.device_mesh == seen for seen in meshes):
+                meshes.append(fp.sharded_param.device_mesh)
+        if len(meshes) != 1:
+            raise NotImplementedError(
+                f"ElasticStep supports FSDP2 over one device mesh, got {len(meshes)} different meshes: "
+                "shard every module of the model over the same mesh"
+            )
+        (self.mesh,) = meshes
+        if self.mesh.ndim not in (1, 2):
+            raise NotImplementedError(
+                f"ElasticStep supports FSDP2 over a 1-D mesh or a 2-D HSDP mesh (replicate, shard), got a "
+                f"{self.mesh.ndim}-D mesh"
+            )
+        self.hsdp = self.mesh.ndim == 2
+        # HSDP: FSDP2's mesh is (replicate, shard); parameters are sharded over the last dimension.
+        self.shard_group = self.mesh.get_group(self.mesh.ndim - 1)
+        self.replicate_group = self.mesh.get_group(0) if self.hsdp else None
+        self.shard_world = dist.get_world_size(self.shard_group)
+        self.shard_rank = dist.get_rank(self.shard_group)
+        self.replicas = dist.get_world_size(self.replicate_group) if self.hsdp else 1
+        self.replica_rank = dist.get_rank(self.replicate_group) if self.hsdp else 0
+        self.ranks = [int(r) for r in self.mesh.mesh.flatten().tolist()]
+
+    def side_channel(self) -> dist.ProcessGroup:
+        """The gloo group of every rank of the mesh, for guard rounds and votes."""
+        return side_channel(self.ranks)
+
+    def drop_unsharded_grads(self) -> None:
+        for fp in self.params:
+            if hasattr(fp, "_unsharded_param"):
+                fp._unsharded_param.grad = None
+            fp.unsharded_accumulated_grad = None
+
+    def unsharded_ids(self) -> set[int]:
+        """FSDP2's forward runs on the unsharded parameters: those a microbatch's graph accumulates into."""
+        return {id(fp._unsharded_param) for fp in self.params if hasattr(fp, "_unsharded_param")}
 
 
 @dataclasses.dataclass
@@ -117,76 +191,70 @@ class FullyShard(Agreeing):
 
     Memory: while the microbatches run, every FSDP2 module's parameters are unsharded at once
     and the gradients accumulate unsharded (what DDP holds); after the last microbatch the
-    parameters are resharded, and the reduction takes one bucket of ``world_size x
+    parameters are resharded, and the reduction takes one bucket of ``shards x
     bucket_bytes`` plus this rank's sharded gradients. The first reduce-scatter, which carries
     the vote, goes through buffers kept for the whole run (``world_size x`` at most
     ``fused_bytes``, float32 or float64 when some gradient is: narrower gradients in it are
     summed in its dtype), so that a rank whose attempt failed joins it without allocating.
+    Under HSDP (a 2-D mesh) the vote is a round of the side channel instead, and each bucket is
+    reduce-scattered in the shard group, then all-reduced across the replicas.
+
+    Each all-gather of the unsharding is guarded (``guard.py``): a rank that runs out of memory
+    while unsharding answers the guard its peers wait at, and every rank votes the attempt lost.
 
     Args:
         model: The root FSDP2 module.
         bucket_bytes: The most one reduce-scatter bucket holds per rank's part.
         fused_bytes: The most of the gradients that ride with the vote, per rank's part.
+        layout: The model's :class:`FSDPLayout` (made from ``model`` by default).
+        guard: The side channel's guard, shared with another scheme of the same model.
+        headroom: The gather check reserves ``headroom`` times what gathering holds beyond
+            FSDP2's own memory (``"auto"``: 2, the unsharded parameters and gradients twice); 0:
+            the unsharded parameters only, the check of ``gather="attempt"``.
     """
 
     replicated = False
 
     def __init__(
-        self, model: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fused_bytes: int = DEFAULT_FUSED_BYTES
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        fused_bytes: int = DEFAULT_FUSED_BYTES,
+        layout: FSDPLayout | None = None,
+        guard: CollectiveGuard | None = None,
+        headroom: float = 0.0,
     ) -> None:
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        fsdp_module = fsdp_module_type()
-        assert fsdp_module is not None
-        self.modules: list[Any] = [m for m in model.modules() if isinstance(m, fsdp_module)]
-        if not hasattr(model, "reset_iter_state"):
-            raise NotImplementedError(
-                f"ElasticStep needs FSDPModule.reset_iter_state to recover FSDP2 after an OOM; torch "
-                f"{torch.__version__} lacks it: upgrade torch (tested with 2.13)"
-            )
-        self.bucket_bytes, self.fused_bytes = bucket_bytes, fused_bytes
-        self._params: list[Any] = []
-        for module in self.modules:
-            for group in param_groups(module):
-                self._params.extend(group.fsdp_params)
-        managed = {id(fp.sharded_param) for fp in self._params}
-        for name, p in model.named_parameters():
-            if p.requires_grad and id(p) not in managed:
-                raise NotImplementedError(
-                    f"ElasticStep: parameter {name!r} of the FSDP2 model is not sharded by fully_shard "
-                    "(ignored_params?); shard every trained parameter"
-                )
-        # fully_shard without mesh= makes a new, equal DeviceMesh per call: meshes are compared by equality.
-        meshes: list[Any] = []
-        for fp in self._params:
-            if not any(fp.sharded_param.device_mesh == seen for seen in meshes):
-                meshes.append(fp.sharded_param.device_mesh)
-        if len(meshes) != 1:
-            raise NotImplementedError(
-                f"ElasticStep supports FSDP2 over one device mesh, got {len(meshes)} different meshes: "
-                "shard every module of the model over the same mesh"
-            )
-        (mesh,) = meshes
-        for fp in self._params:
+        layout = layout if layout is not None else FSDPLayout(model)
+        expected = (Replicate(), Shard(0)) if layout.hsdp else (Shard(0),)
+        for fp in layout.params:
             p = fp.sharded_param
-            if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or not isinstance(p, DTensor) or p.dim() == 0:
+            if tuple(p.placements) != expected or not isinstance(p, DTensor) or p.dim() == 0:
                 raise NotImplementedError(
-                    f"ElasticStep supports FSDP2 with a 1-D mesh and Shard(0) parameters (fully_shard's default); "
-                    f"got placements {tuple(p.placements)} on a {mesh.ndim}-D mesh (HSDP, shard_placement_fn and "
-                    "tensor parallelism are not supported yet)"
+                    f"ElasticStep gathering once an attempt supports FSDP2 with Shard(0) parameters (fully_shard's "
+                    f"default) over a 1-D mesh, or HSDP's (Replicate(), Shard(0)) over a 2-D one; got placements "
+                    f"{tuple(p.placements)} on a {layout.mesh.ndim}-D mesh (shard_placement_fn and tensor parallelism "
+                    "are not supported: per-module gathering, gather='module', supports shard_placement_fn)"
                 )
-        super().__init__(model, mesh.get_group())
-        self.root: Any = model
-        self.mesh = mesh
+        self.layout = layout
+        self.guard = guard if guard is not None else CollectiveGuard(layout.side_channel())
+        # The agreements: in the 1-D mesh's group (the vote rides in its first reduce-scatter); under HSDP on
+        # the side channel, where the votes go too.
+        super().__init__(model, self.guard.group if layout.hsdp else layout.shard_group)
+        self.modules, self._params, self.mesh, self.root = layout.modules, layout.params, layout.mesh, layout.root
+        self.bucket_bytes, self.fused_bytes, self.headroom = bucket_bytes, fused_bytes, headroom
         self._grads: list[_ShardedGrad] | None = None
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
         self._used = UsedMap(self.device, self.group)
-        # The vote's reduce-scatter: each rank's part is the vote slots, then gradients.
+        # The vote's reduce-scatter (1-D meshes): each rank's part is the vote slots, then gradients.
         self._fused: _FusedVote | None = None  # allocated by the first gather check, kept
         self._fused_grads: list[_ShardedGrad] = []  # this attempt's gradients that ride with the vote
         self._fused_factor: float | None = None  # after a vote that fitted: theirs still to apply
         self._reference = 1.0  # the last grand total: those gradients are pre-scaled by total_r / reference
+        self._all_gathers = sum(1 for _ in layout.groups) if layout.shard_world > 1 else 0  # guarded per unshard
 
     def _flags(self) -> list[tuple[Any, Any, bool, Any, bool, tuple[bool, bool]]]:
         """FSDP2's per-group settings that ``microbatches`` changes, to restore them after."""
@@ -209,15 +277,17 @@ class FullyShard(Agreeing):
     def check_gather(self) -> Verdict:
         """Reserve, for a moment, what unsharding every module takes; then agree on who could.
 
-        The unsharded parameters (in their all-gather dtype) plus one group's all-gather buffer.
+        The unsharded parameters (in their all-gather dtype) plus one group's all-gather buffer;
+        with ``headroom``, that many times the unsharded parameters and gradients instead.
         Freed at once: the caching allocator then serves the all-gathers from that memory.
         """
         status = Status.OK
         try:
             self.root._get_fsdp_state()._lazy_init()  # settles the all-gather dtypes (mixed precision)
-            if self._fused is None:
+            if self._fused is None and not self.layout.hsdp:
                 self._fused = self._fused_vote()
-            torch.empty(self._gather_bytes(), dtype=torch.uint8, device=self._params[0].sharded_param.to_local().device)
+            device = self._params[0].sharded_param.to_local().device
+            torch.empty(self.gather_bytes(), dtype=torch.uint8, device=device)
         except Exception as err:  # noqa: BLE001 - any failure is told to the peers, which must not wait for it
             status = status_of(err)
         return self.agree(status)
@@ -239,16 +309,24 @@ class FullyShard(Agreeing):
         numel = min(self.fused_bytes // dtype.itemsize, parts)
         return _FusedVote(self.rank, self.world_size, numel, dtype, self.mesh.device_type)
 
-    def _gather_bytes(self) -> int:
-        total, largest = 0, 0
-        for module in self.modules:
-            for group in param_groups(module):
-                nbytes = self.world_size * sum(
-                    fp.padded_sharded_param_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize
-                    for fp in group.fsdp_params
-                )
-                total, largest = total + nbytes, max(largest, nbytes)
-        return total + largest
+    def gather_bytes(self) -> int:
+        """Bytes the gather check reserves (see :meth:`check_gather`)."""
+        shards = self.layout.shard_world
+        params, grads, largest = 0, 0, 0
+        for group in self.layout.groups:
+            nbytes = shards * sum(
+                fp.padded_sharded_param_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize
+                for fp in group.fsdp_params
+            )
+            grads += shards * sum(
+                fp.padded_sharded_param_size.numel() * (fp.reduce_dtype or fp.param_dtype or fp.orig_dtype).itemsize
+                for fp in group.fsdp_params
+                if fp.sharded_param.requires_grad
+            )
+            params, largest = params + nbytes, max(largest, nbytes)
+        if self.headroom:
+            return int(self.headroom * (params + grads)) + largest
+        return params + largest
 
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
@@ -259,12 +337,11 @@ class FullyShard(Agreeing):
                 module.set_reshard_after_forward(False, recurse=False)
                 module.set_reshard_after_backward(False, recurse=False)
                 module.set_requires_gradient_sync(False, recurse=False)
-            for module in self.modules:
-                module.unshard()  # the only all-gathers of the step: every rank is here together
+            self._unshard()  # the only all-gathers of the step: every rank is here together
             try:
                 yield
             except BaseException:
-                self._drop_unsharded_grads()
+                self.layout.drop_unsharded_grads()
                 self.root.reset_iter_state()  # reshards, and clears FSDP's state of the aborted pass
                 raise
             for module in self.modules:
@@ -276,18 +353,40 @@ class FullyShard(Agreeing):
                 group.reshard_after_backward = after_backward
                 group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce
 
+    def _unshard(self) -> None:
+        """All-gather every module, each all-gather guarded; a rank that fails answers the guard its peers are at.
+
+        The all-gathers are a known sequence (one per parameter group): a rank that fails after
+        passing ``k`` guards answers guard ``k + 1``, if there is one, in one round; its peers
+        stop there (``PeerFailure``) and every rank goes on to the vote.
+        """
+        guard = self.guard
+        guard.start()
+        restore = guarded_comms(self.layout.groups, guard)
+        try:
+            for module in self.modules:
+                module.unshard()
+        except BaseException as err:
+            if not guard.aborted and guard.passed < self._all_gathers:
+                guard.answer(status_of(err) if isinstance(err, Exception) else Status.ERROR)
+            self.layout.drop_unsharded_grads()
+            self.root.reset_iter_state()
+            raise
+        finally:
+            restore()
+        if guard.passed != self._all_gathers and guard.world_size > 1:
+            raise RuntimeError(
+                f"ElasticStep: unsharding the FSDP2 model ran {guard.passed} all-gathers, {self._all_gathers} were "
+                "expected (one per parameter group): please report this"
+            )
+
     def graph_leaf_ids(self) -> set[int]:
         # FSDP2's forward runs on the unsharded parameters, whose gradients it reduces into the sharded ones.
-        return super().graph_leaf_ids() | {id(fp._unsharded_param) for fp in self._params}
-
-    def _drop_unsharded_grads(self) -> None:
-        for fp in self._params:
-            fp._unsharded_param.grad = None
-            fp.unsharded_accumulated_grad = None
+        return super().graph_leaf_ids() | self.layout.unsharded_ids()
 
     @torch.no_grad()
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
-        world, rank = self.world_size, self.rank
+        world, rank = self.layout.shard_world, self.layout.shard_rank
         grads: list[_ShardedGrad] = []
         used: list[bool] = []
         for fp in self._params:
@@ -311,16 +410,16 @@ class FullyShard(Agreeing):
                     f"expected torch.chunk's {expected}: this FSDP2 layout is not supported"
                 )
             grads.append(entry)
-        assert self._fused is not None  # allocated by the gather check before every attempt
-        fused, room = [], self._fused.numel
+        fused: list[_ShardedGrad] = []
+        room = self._fused.numel if self._fused is not None else 0
         buckets: list[tuple[torch.dtype, list[_ShardedGrad], int]] = []
         largest: dict[torch.dtype, int] = {}
         by_dtype: dict[torch.dtype, list[_ShardedGrad]] = {}
         for entry in grads:
             assert entry.full is not None
             width = entry.chunk_rows * entry.row_numel
-            if entry.full.dtype in self._fused.riders and width <= room:  # rides with the vote
-                entry.offset = self._fused.numel - room
+            if self._fused is not None and entry.full.dtype in self._fused.riders and width <= room:
+                entry.offset = self._fused.numel - room  # rides with the vote
                 room -= width
                 fused.append(entry)
                 continue
@@ -346,17 +445,25 @@ class FullyShard(Agreeing):
         self._grads, self._buckets, self._fused_grads = grads, buckets, fused
 
     def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
-        if params is None:  # no gradients to reduce (evaluation): the vote alone
-            return super().vote(status, size, total)
-        fused = self._fused
-        assert fused is not None
-        parts = fused.parts()
-        if status == Status.OK:  # pre-scaled by total_r / reference: the grand total is known only after the vote
-            for entry in self._fused_grads:
-                _fill(parts, entry)
-            if total != self._reference:
-                parts.mul_(total / self._reference)
-        rows = fused.exchange((status, size, total, self._used.flag), self.group)
+        aborted = self.guard.aborted  # stopped at a guard by a peer's failure: not an OOM of this rank's
+        self.guard.aborted = False
+        said = Status.OK if aborted and status == Status.OOM else status
+        if self.layout.hsdp:  # the side channel's meeting point: the peers' votes, whatever their guards saw
+            rows: Rows = tuple(map(tuple, self.guard.meet(said, (size, total, self._used.flag if params else 0.0))))
+            if params is None:
+                return verdict_of(rows, total)
+        elif params is None:  # no gradients to reduce (evaluation): the vote alone
+            return super().vote(said, size, total)
+        else:
+            fused = self._fused
+            assert fused is not None
+            parts = fused.parts()
+            if status == Status.OK:  # pre-scaled by total_r / reference: the grand total is known only after the vote
+                for entry in self._fused_grads:
+                    _fill(parts, entry)
+                if total != self._reference:
+                    parts.mul_(total / self._reference)
+            rows = fused.exchange((said, size, total, self._used.flag), self.group)
         verdict = verdict_of(rows, total)
         self._used.learn(verdict.status, rows)
         grand_total = math.fsum(r[2] for r in rows)
@@ -366,23 +473,35 @@ class FullyShard(Agreeing):
             self._reference = grand_total
         return verdict
 
+    def agree(self, status: Status, *values: float) -> Verdict:
+        if not self.layout.hsdp:
+            return super().agree(status, *values)
+        check_values(values)
+        return agreement_of(self.guard.agree(status, values), len(values))
+
     def discard(self) -> None:
-        self._drop_unsharded_grads()
+        self.layout.drop_unsharded_grads()
         self._grads, self._buckets, self._buffers, self._fused_grads = None, [], {}, []
         self._fused_factor = None
         self._used.reset()
 
+    def release(self) -> None:
+        """Free the buffers kept for the run (the vote's reduce-scatter): the scheme is no longer used."""
+        self.discard()
+        self._fused = None
+
     def reduce(self, params: Sequence[torch.Tensor], scale: float) -> None:
         from torch.distributed.tensor import DTensor
 
-        assert self._grads is not None and self._fused is not None and self._fused_factor is not None
-        received = self._fused.received()
-        if self._fused_factor != 1.0:
-            received.mul_(self._fused_factor)  # in the vote's dtype, before a narrower gradient is rounded
-        for e in self._fused_grads:  # reduced with the vote
-            assert e.local is not None
-            e.local.view(-1).copy_(received[e.offset : e.offset + e.local.numel()])
-        world = self.world_size
+        assert self._grads is not None and self._fused_factor is not None
+        if self._fused is not None:
+            received = self._fused.received()
+            if self._fused_factor != 1.0:
+                received.mul_(self._fused_factor)  # in the vote's dtype, before a narrower gradient is rounded
+            for e in self._fused_grads:  # reduced with the vote
+                assert e.local is not None
+                e.local.view(-1).copy_(received[e.offset : e.offset + e.local.numel()])
+        world = self.layout.shard_world
         for dtype, entries, segment in self._buckets:
             send_buffer, receive_buffer = self._buffers[dtype]
             send = send_buffer[: world * segment].view(world, segment)
@@ -391,7 +510,9 @@ class FullyShard(Agreeing):
             if scale != 1.0:
                 send.mul_(scale)
             receive = receive_buffer[:segment]
-            getattr(dist, REDUCE_SCATTER)(receive, send.view(-1), group=self.group)
+            getattr(dist, REDUCE_SCATTER)(receive, send.view(-1), group=self.layout.shard_group)
+            if self.layout.replicate_group is not None:
+                dist.all_reduce(receive, group=self.layout.replicate_group)
             for e in entries:
                 assert e.local is not None
                 e.local.view(-1).copy_(receive[e.offset : e.offset + e.local.numel()])
@@ -407,6 +528,10 @@ class FullyShard(Agreeing):
                     stride=e.sharded.stride(),
                 )  # fmt: skip
         self.discard()
+
+    def local_grad_sq_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        # HSDP: every replica holds the same shards; one replica's part counts in the sum over ranks.
+        return super().local_grad_sq_norm(grads) if self.layout.replica_rank == 0 else 0.0
 
 
 def param_groups(module: nn.Module) -> list[Any]:

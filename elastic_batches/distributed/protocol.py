@@ -136,6 +136,30 @@ class GradientSync:
         """The context every microbatch of an attempt runs in: no collective may start inside."""
         return contextlib.nullcontext()
 
+    def agree_count(self, count: int) -> int:
+        """The number of microbatches an attempt cuts this rank's batch into, from this rank's plan ``count``.
+
+        Every rank calls it before each attempt. The plan itself, except where collectives pair
+        the ranks' microbatches (FSDP2 gathered per module): the largest plan over ranks.
+        """
+        return count
+
+    def weigh(self, total: float) -> None:
+        """Before the first microbatch of a backward attempt: this rank's weight total (rows, or counted items).
+
+        A scheme that reduces gradients inside the microbatches (FSDP2 per module) scales this
+        rank's contribution by it; the others learn it from the vote.
+        """
+
+    def fall_back(self) -> bool:
+        """After an OOM at the smallest microbatch on some rank, where the step would stop (every rank alike).
+
+        Returns:
+            Whether the scheme switched to one that holds less memory (FSDP2 ``gather="auto"``:
+            per module from now on), so that the batch is worth trying again.
+        """
+        return False
+
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         """Allocate what :meth:`reduce` needs, before the vote: an OOM here is the attempt's OOM.
 

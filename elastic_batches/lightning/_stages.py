@@ -32,6 +32,7 @@ class Stages:
 
     Args:
         controllers: The controller of each stage in :data:`STAGES`.
+        gather: How the steps gather an FSDP2 model's parameters (``ElasticStep``'s ``gather``).
 
     Attributes:
         controllers: The controller of each stage (the dict shared with the callback).
@@ -44,8 +45,9 @@ class Stages:
         True
     """
 
-    def __init__(self, controllers: Mapping[str, SplitController]) -> None:
+    def __init__(self, controllers: Mapping[str, SplitController], *, gather: str = "auto") -> None:
         self.controllers = dict(controllers)
+        self.gather = gather
         self._strategy: Any = None
         self._report: Report | None = None
         self._steps: dict[str, ElasticStep] = {}
@@ -75,7 +77,7 @@ class Stages:
             )
         step = self._steps.get(stage)
         if step is None or step.model is not model:
-            step = self._steps[stage] = ElasticStep(model, controller=self.controllers[stage])
+            step = self._steps[stage] = ElasticStep(model, controller=self.controllers[stage], gather=self.gather)
         step.controller = self.controllers[stage]
         step.backward_fn = backward_fn
         return step

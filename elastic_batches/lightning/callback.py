@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.controller import SplitController
+from elastic_batches.distributed import GATHER_MODES
 from elastic_batches.lightning._evaluation import elastic_evaluation_hook
 from elastic_batches.lightning._stages import STAGE_OF_HOOK, STAGES, Stages
 from elastic_batches.lightning._training import ElasticOptimization
@@ -75,12 +76,16 @@ class ElasticAccumulation(Callback):
             ``MicrobatchingDataLoader``, or to set ``min_microbatch_size``, ``grow_after``...).
             Other stages get a new ``SplitController()``.
         split_evaluation: ``False`` leaves validation, test and predict batches whole.
+        gather: FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``):
+            ``"auto"`` (default), ``"attempt"`` or ``"module"``, as for
+            :class:`elastic_batches.ElasticStep`; ignored by other strategies.
 
     Attributes:
         controllers: The controller of each stage.
 
     Raises:
-        ValueError: ``controllers`` names an unknown stage, or ``accumulate_grad_batches`` < 1.
+        ValueError: ``controllers`` names an unknown stage, ``accumulate_grad_batches`` < 1, or
+            ``gather`` is not one of ``"auto"``, ``"attempt"``, ``"module"``.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -99,7 +104,10 @@ class ElasticAccumulation(Callback):
         *,
         controllers: Mapping[str, SplitController] | None = None,
         split_evaluation: bool = True,
+        gather: str = "auto",
     ) -> None:
+        if gather not in GATHER_MODES:
+            raise ValueError(f"ElasticAccumulation: gather must be one of {list(GATHER_MODES)}, got {gather!r}")
         if accumulate_grad_batches is not None and (
             isinstance(accumulate_grad_batches, bool)
             or not isinstance(accumulate_grad_batches, int)
@@ -120,8 +128,9 @@ class ElasticAccumulation(Callback):
                 )
         self.accumulate_grad_batches = accumulate_grad_batches
         self.split_evaluation = split_evaluation
+        self.gather = gather
         self.elastic_stages = Stages(
-            {stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES}
+            {stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES}, gather=gather
         )  # what the installed steps, ElasticModule and ElasticDataModule share
         self.controllers: dict[str, SplitController] = self.elastic_stages.controllers
         self._last_counts = dict.fromkeys(STAGES, 1)  # the count the last line reported

@@ -11,7 +11,9 @@ same path it takes on a GPU:
   at an exact, chosen point: a forward call, the backward of a forward call, an optimizer step
   or the device transfer of a microbatch, optionally on one ``torch.distributed`` rank only;
   :func:`inject_oom_in_cut` and :func:`inject_oom_in_op` strike in the cut of a padded
-  microbatch and in any chosen aten operator (a concatenation, a stack, a buffer's allocation).
+  microbatch and in any chosen aten operator (a concatenation, a stack, a buffer's allocation);
+  :func:`inject_oom_in_all_gather` and :func:`inject_oom_in_reduce_scatter` in the allocation
+  of an FSDP2 collective's buffer.
 * :class:`AddressSpaceLimit` makes the real CPU allocator refuse (Linux): a limit on the
   process's address space, under which torch raises its own ``DefaultCPUAllocator: can't
   allocate memory``.
@@ -20,6 +22,7 @@ See ``docs/testing.md`` for a walk-through.
 """
 
 from elastic_batches.testing.address_space import AddressSpaceLimit, address_space_bytes
+from elastic_batches.testing.collectives import inject_oom_in_all_gather, inject_oom_in_reduce_scatter
 from elastic_batches.testing.injection import (
     OOMInjection,
     inject_oom,
@@ -36,8 +39,10 @@ __all__ = [
     "OOMInjection",
     "address_space_bytes",
     "inject_oom",
+    "inject_oom_in_all_gather",
     "inject_oom_in_cut",
     "inject_oom_in_op",
     "inject_oom_in_optimizer",
+    "inject_oom_in_reduce_scatter",
     "inject_oom_in_transfer",
 ]

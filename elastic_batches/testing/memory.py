@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import collections
 import numbers
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 __all__ = ["MemoryBudget"]
 
@@ -60,11 +61,44 @@ def _format_bytes(n: int) -> str:
 
 
 class _StorageRef(weakref.ref):
-    """A weak reference to an ``UntypedStorage`` that remembers the bytes it was counted for."""
+    """A weak reference to an ``UntypedStorage`` that remembers the bytes it was counted for.
 
-    __slots__ = ("key", "nbytes")
+    ``base`` is what the storage held uncounted (allocated before the budget saw it); it only
+    shrinks, when the storage is resized below it: what a storage holds beyond it is counted.
+    """
+
+    __slots__ = ("base", "key", "nbytes")
     key: int
     nbytes: int
+    base: int
+
+
+# Storage resizes (``untyped_storage().resize_()``, how FSDP2 frees and re-allocates unsharded
+# parameters) never reach a dispatch mode: while some budget is entered, ``UntypedStorage.resize_``
+# is replaced by one that tells the budgets on the calling thread's mode stack first.
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+_resize_lock = threading.Lock()
+_resize_users = 0
+
+
+def _counted_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    budgets = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryBudget)]
+    if not budgets or storage.device.type == "meta":
+        return _ORIGINAL_RESIZE(storage, size)
+    key, old, new = storage._cdata, storage.nbytes(), int(size)
+    for budget in budgets:  # every limit is checked before the resize happens: an OOM leaves the storage as it was
+        budget._check_resize(key, old, new)
+    result = _ORIGINAL_RESIZE(storage, size)
+    for budget in budgets:
+        budget._count_resize(storage, key, old, new)
+    return result
+
+
+def _use_resize_counting(delta: int) -> None:
+    global _resize_users
+    with _resize_lock:
+        _resize_users += delta
+        torch.UntypedStorage.resize_ = _counted_resize if _resize_users > 0 else _ORIGINAL_RESIZE  # type: ignore[method-assign,assignment]
 
 
 class MemoryBudget(TorchDispatchMode):
@@ -84,10 +118,18 @@ class MemoryBudget(TorchDispatchMode):
     even when an op inside the mode writes into them or takes a view of them: set
     ``limit_bytes`` to the memory left for activations, gradients and optimizer state. Only
     strided tensors with a storage are counted (sparse or nested tensors and ``meta`` tensors
-    are skipped), and a storage resized outside of a dispatched op (``storage.resize_``) keeps
-    the size it was counted at until it is freed.
+    are skipped).
 
-    When an op's new storages would take ``live_bytes`` past ``limit_bytes``, the op's outputs
+    Storage resizes count too, though no dispatch mode sees them: FSDP2 frees an unsharded
+    parameter by resizing its storage to 0 bytes and allocates it again by resizing it back
+    (``untyped_storage().resize_()``), and the budget counts the bytes a storage gains inside
+    it as allocated and those it loses as freed (a storage from before the mode counts only
+    what it gains beyond the bytes it had; resized to 0 and back, all of them). A resize past
+    the limit raises the OOM there, before the storage changes, as a device would. While a
+    budget is entered, ``torch.UntypedStorage.resize_`` is replaced by a counting one (for
+    every thread; it counts for the budgets on the calling thread's mode stack).
+
+    When an op's new storages (or a resize) would take ``live_bytes`` past ``limit_bytes``, the op's outputs
     are dropped uncounted, ``oom_count`` grows by one and :class:`torch.OutOfMemoryError` is
     raised with a message shaped like CUDA's. ``limit_bytes`` can be changed at any time,
     also between the steps of a training loop; ``None`` measures without a limit.
@@ -124,6 +166,12 @@ class MemoryBudget(TorchDispatchMode):
         >>> del a, b
         >>> budget.live_bytes, budget.peak_bytes, budget.oom_count
         (0, 1024, 1)
+        >>> kept = torch.zeros(256)  # made outside: never counted
+        >>> with budget:
+        ...     _ = kept.untyped_storage().resize_(0)  # freed (as FSDP2 frees a parameter)
+        ...     _ = kept.untyped_storage().resize_(1024)  # allocated again, inside: counted
+        ...     budget.live_bytes
+        1024
     """
 
     def __init__(self, limit_bytes: int | None = None) -> None:
@@ -174,6 +222,56 @@ class MemoryBudget(TorchDispatchMode):
                 )
             value = int(value)
         self._limit = value
+
+    def __enter__(self) -> MemoryBudget:
+        _use_resize_counting(+1)
+        try:
+            super().__enter__()
+        except BaseException:
+            _use_resize_counting(-1)
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            _use_resize_counting(-1)
+
+    def _resize_delta(self, key: int, old: int, new: int) -> tuple[int, int]:
+        """The counted bytes a storage gains by a resize from ``old`` to ``new`` bytes, and its new base."""
+        ref = self._tracked.get(key)
+        base, counted = (old, 0) if ref is None else (ref.base, ref.nbytes)
+        base = min(base, new)
+        return new - base - counted, base
+
+    def _check_resize(self, key: int, old: int, new: int) -> None:
+        delta, _ = self._resize_delta(key, old, new)
+        if delta <= 0 or self._limit is None:
+            return
+        live = self._drain()
+        if live + delta > self._limit:
+            self._oom_count += 1
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {_format_bytes(delta)}; {_format_bytes(live)} in use, "
+                f"limit {_format_bytes(self._limit)} (elastic_batches.testing.MemoryBudget, storage resize)"
+            )
+
+    def _count_resize(self, storage: torch.UntypedStorage, key: int, old: int, new: int) -> None:
+        delta, base = self._resize_delta(key, old, new)
+        ref = self._tracked.get(key)
+        if ref is None:
+            if delta <= 0:
+                return  # bytes it had from before the mode: never counted, nothing to free
+            ref = _StorageRef(storage, self._on_free)
+            ref.key, ref.nbytes, ref.base = key, 0, base
+            self._tracked[key] = ref
+        ref.nbytes += delta
+        ref.base = base
+        live = self._drain() + delta
+        self._live = live
+        if live > self._peak:
+            self._peak = live
 
     def _drain(self) -> int:
         freed = self._freed
@@ -267,9 +365,9 @@ class MemoryBudget(TorchDispatchMode):
             key = st._cdata
             ref = tracked.get(key)
             if ref is not None:
-                if kind == _WRITE and st.nbytes() > ref.nbytes:
-                    extra += st.nbytes() - ref.nbytes
-                    grown.append((ref, st.nbytes()))
+                if kind == _WRITE and st.nbytes() - ref.base > ref.nbytes:
+                    extra += st.nbytes() - ref.base - ref.nbytes
+                    grown.append((ref, st.nbytes() - ref.base))
                 continue
             if kind == _WRITE or (new and any(key == k for _, k, _ in new)):
                 continue  # written into a tensor from outside the mode, or seen twice
@@ -292,6 +390,7 @@ class MemoryBudget(TorchDispatchMode):
             ref = _StorageRef(st, self._on_free)
             ref.key = key
             ref.nbytes = nbytes
+            ref.base = 0
             tracked[key] = ref
         for ref, nbytes in grown:
             ref.nbytes = nbytes

@@ -4,7 +4,8 @@ A *cell* is one combination of
 
 * the loop: ``"plain"`` (``ElasticStep.backward`` + ``ElasticStep.optimizer_step``) or
   ``"lightning"`` (``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``);
-* the setting: ``"single"`` (one process), ``"ddp"`` or ``"fsdp2"`` (two gloo ranks);
+* the setting: ``"single"`` (one process), ``"ddp"``, ``"fsdp2"`` (``gather="auto"``: this model
+  gathers once an attempt) or ``"fsdp2-module"`` (``gather="module"``) on two gloo ranks;
 * the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
   padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
   its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already
@@ -44,6 +45,7 @@ loop), ``checks`` (judging its results), ``jobs`` (a setting's cells on one rank
 
 from elastic_batches.testing.fault_matrix.cells import (
     FEATURES,
+    GATHER,
     GLOBAL_ROWS,
     ID_TOLERANCE,
     LIGHTNING_PHASES,
@@ -93,6 +95,7 @@ from elastic_batches.testing.fault_matrix.plain import GradNormOOM, distribute, 
 __all__ = [
     "Cell",
     "FEATURES",
+    "GATHER",
     "GLOBAL_ROWS",
     "GradNormOOM",
     "ID_TOLERANCE",

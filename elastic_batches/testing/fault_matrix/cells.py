@@ -14,6 +14,7 @@ import elastic_batches as eb
 __all__ = [
     "Cell",
     "FEATURES",
+    "GATHER",
     "GLOBAL_ROWS",
     "ID_TOLERANCE",
     "IdModel",
@@ -59,11 +60,12 @@ FEATURES = 6
 WIDTH = 16
 LR = 0.1
 MAX_GRAD_NORM = 0.25  # every cell clips (the reference with torch's clip_grad_norm_)
-RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5}  # float32, relative to the largest weight
+RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5}  # float32, relative to the largest weight
 ID_TOLERANCE = 1e-4  # |gradient x GLOBAL_ROWS - round(...)| per embedding row
 
 LOOPS = ("plain", "lightning")
-SETTINGS = ("single", "ddp", "fsdp2")
+SETTINGS = ("single", "ddp", "fsdp2", "fsdp2-module")
+GATHER = {"fsdp2-module": "module"}  # ElasticStep's gather= per setting; "auto" otherwise
 PHASES = ("transfer", "cut", "count", "forward", "backward", "sum", "clip", "step")
 MICROBATCH_PHASES = ("transfer", "cut", "count", "forward", "backward")  # struck at a chosen microbatch
 RECOVERING_PHASES = (*MICROBATCH_PHASES, "sum")  # between the start of an attempt and the vote
@@ -237,10 +239,25 @@ def expected_outcome(cell: Cell, rank: int, rows: int) -> tuple[int, int]:
     if not cell.recovers:
         return first, 0
     if cell.ranks != "both":
-        return retry, _discarded_by_failing(cell, first) if cell.fires_on(rank) else first
+        return retry, _discarded_by_failing(cell, first) if cell.fires_on(rank) else _discarded_by_peer(cell, first)
     if rank == 0:  # fails in the first attempt; runs all of the retry, in which rank 1 fails
-        return third, _discarded_by_failing(cell, first) + retry
-    return third, first + _discarded_by_failing(cell, retry)
+        return third, _discarded_by_failing(cell, first) + _discarded_by_peer(cell, retry)
+    return third, _discarded_by_peer(cell, first) + _discarded_by_failing(cell, retry)
+
+
+def _discarded_by_peer(cell: Cell, count: int) -> int:
+    """The microbatches a rank throws away in an attempt of ``count`` microbatches in which its peer fails.
+
+    All of them, except where FSDP2's collectives are guarded per module: the rank stops at its
+    first collective after the peer's failure, in the microbatch it fails in (``count_fn``: in
+    the first one, after counting every microbatch), having started it.
+    """
+    if cell.setting != "fsdp2-module" or cell.phase == "sum":
+        return count
+    if cell.phase == "count":
+        return 1
+    assert cell.position is not None
+    return _position(cell.position, count) + 1
 
 
 def _discarded_by_failing(cell: Cell, count: int) -> int:
@@ -277,5 +294,18 @@ def oom_call(cell: Cell, rank: int, rows: int) -> int | None:
     assert cell.position is not None
     first, retry, _ = predicted_counts(rows)
     if second:
-        return first + _position(cell.position, retry)
+        return _calls_before_peer_failed(cell, first) + _position(cell.position, retry)
     return _position(cell.position, first)
+
+
+def _calls_before_peer_failed(cell: Cell, count: int) -> int:
+    """The calls (of the cell's phase) a rank makes in an attempt of ``count`` microbatches in which its peer fails.
+
+    All of them, except where FSDP2's collectives are guarded per module: the rank stops in the
+    microbatch its peer fails in, after that microbatch's call (``count_fn``: after every
+    microbatch's, which come first).
+    """
+    if cell.setting != "fsdp2-module" or cell.phase == "count":
+        return count
+    assert cell.position is not None
+    return _position(cell.position, count) + 1

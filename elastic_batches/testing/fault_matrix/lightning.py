@@ -11,6 +11,7 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches.testing import inject_oom, inject_oom_in_cut
 from elastic_batches.testing.fault_matrix.cells import (
+    GATHER,
     GLOBAL_ROWS,
     LR,
     MAX_GRAD_NORM,
@@ -79,7 +80,7 @@ def _lightning_module(cell: Cell, rank: int, rows: int) -> Any:
             self.optimizer: FaultySGD | None = None
 
         def configure_model(self) -> None:
-            if cell.setting == "fsdp2":
+            if cell.setting.startswith("fsdp2"):
                 _shard(self, (self.net[0], self.net[2], self.ids))
 
         def on_fit_start(self) -> None:
@@ -162,7 +163,7 @@ def _trainer(setting: str, world: int, elastic: Any, **kwargs: Any) -> Any:
     from elastic_batches.lightning import Trainer
 
     strategy: Any = {"single": "auto", "ddp": "ddp"}.get(setting)
-    if setting == "fsdp2":
+    if setting.startswith("fsdp2"):
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     return Trainer(
         accumulate_grad_batches="auto",
@@ -200,7 +201,8 @@ def run_lightning_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Sna
     snapshots = snapshots if snapshots is not None else reference()
     rows = GLOBAL_ROWS // world
     module = _lightning_module(cell, rank, rows)
-    elastic = ElasticAccumulation(controllers={"train": eb.SplitController(split_count=SPLIT)})
+    controllers = {"train": eb.SplitController(split_count=SPLIT)}
+    elastic = ElasticAccumulation(controllers=controllers, gather=GATHER.get(cell.setting, "auto"))
     trainer = _trainer(
         cell.setting,
         world,
@@ -262,14 +264,15 @@ def run_lightning_validation(rank: int, world: int, setting: str, fire_rank: int
             self.net, self.ids = model.net, model.ids
 
         def configure_model(self) -> None:
-            if setting == "fsdp2":
+            if setting.startswith("fsdp2"):
                 _shard(self, (self.net[0], self.net[2], self.ids))
 
         def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
             loss = loss_of((self.net(batch["x"]), self.ids(batch["id"])), batch["y"]) + 0.0 * batch["pad"].sum()
             self.log("val_loss", loss, sync_dist=True)
 
-    elastic = ElasticAccumulation(controllers={"validate": eb.SplitController(split_count=SPLIT)})
+    controllers = {"validate": eb.SplitController(split_count=SPLIT)}
+    elastic = ElasticAccumulation(controllers=controllers, gather=GATHER.get(setting, "auto"))
     trainer = _trainer(setting, world, elastic)
     rows = GLOBAL_ROWS // world
     loader = eb.MicrobatchingDataLoader(

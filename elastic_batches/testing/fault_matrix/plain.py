@@ -18,6 +18,7 @@ from elastic_batches.testing import (
     inject_oom_in_transfer,
 )
 from elastic_batches.testing.fault_matrix.cells import (
+    GATHER,
     LR,
     MAX_GRAD_NORM,
     OOM_STEP,
@@ -115,7 +116,7 @@ def distribute(setting: str, model: IdModel) -> nn.Module:
         return model
     if setting == "ddp":
         return nn.parallel.DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # "fsdp2", "fsdp2-module"
 
     for part in (model.net[0], model.net[2], model.ids):
         fully_shard(part, mesh=_mesh())
@@ -139,7 +140,8 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
     snapshots = snapshots if snapshots is not None else reference()
     model = distribute(cell.setting, IdModel())
     controller = eb.SplitController(split_count=SPLIT)
-    step = eb.ElasticStep(model, controller=controller, device="cpu" if cell.phase == "transfer" else None)
+    device = "cpu" if cell.phase == "transfer" else None
+    step = eb.ElasticStep(model, controller=controller, device=device, gather=GATHER.get(cell.setting, "auto"))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     def loss_fn(mb: Any) -> torch.Tensor:

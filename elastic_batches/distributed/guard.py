@@ -1,0 +1,263 @@
+"""The collective guard: before each FSDP2 collective, every rank says on a CPU side channel whether it can join.
+
+FSDP2 all-gathers and reduce-scatters inside every module's forward and backward. A rank that
+runs out of memory between two of them would leave its peers waiting in the next one, so each
+one is *guarded*: FSDP2's own collective hooks (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``, wrapping whatever comm was set) first run a *guard round*, a
+small ``all_gather`` on a gloo group of all the mesh's ranks, and start the collective only when
+every rank is at the same guard. A rank whose attempt failed (anywhere: forward, backward, the
+allocation of a collective's buffer, the copy after one) goes to its *meeting point* instead —
+the vote — whose rounds run on the same side channel: a rank still at a guard sees a peer at
+the meeting point, raises :class:`PeerFailure` (no collective started) and comes to the
+meeting point too. Rounds repeat there until every rank has arrived.
+
+Each round carries one row of :data:`WIDTH` float64 per rank: its kind (guard, meeting point,
+other agreement), its status, and four values (a guard's: which collective and how many
+elements, so that ranks about to start different collectives raise instead of mixing them).
+
+The side channel is a gloo group: on a GPU, the guard is host-side only (Python floats into CPU
+tensors, a gloo round between the hosts) and never waits on or enqueues anything on the
+device's streams, so NCCL's collectives and the kernels queued before them keep running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_batches.distributed.wire import ALL_GATHER
+from elastic_batches.oom import Status
+
+__all__ = ["WIDTH", "CollectiveGuard", "PeerFailure", "guarded_comms", "side_channel"]
+
+WIDTH = 6  # kind, status, then four values
+_GUARD, _MEET, _AGREE = 1.0, 2.0, 3.0  # kinds of rows
+_KINDS = {_GUARD: "a collective's guard", _MEET: "the vote", _AGREE: "another agreement"}
+ALL_GATHER_OP, REDUCE_SCATTER_OP = 1.0, 2.0
+_OPS = {ALL_GATHER_OP: "all-gather", REDUCE_SCATTER_OP: "reduce-scatter"}
+
+
+class PeerFailure(torch.OutOfMemoryError):
+    """Raised at an FSDP2 collective on a rank whose peer's attempt failed first: no rank starts the collective.
+
+    ``ElasticStep`` catches it like an OOM: the rank stops its attempt, meets its peers at the
+    vote (as a rank that did not run out of memory itself), and every rank retries the batch.
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.distributed import PeerFailure
+        >>> isinstance(PeerFailure("rank 1 ran out of memory"), torch.OutOfMemoryError)
+        True
+    """
+
+
+_SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}  # ranks -> (default group, side group)
+
+
+def side_channel(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The gloo group of ``ranks`` that carries guard rounds and votes; made once per set of ranks and kept.
+
+    Every rank of ``ranks`` must call it at the same point (``dist.new_group``). A group made
+    under a default process group that was destroyed since is made again.
+    """
+    key = tuple(ranks)
+    default = dist.distributed_c10d._get_default_group()
+    known = _SIDE_GROUPS.get(key)
+    if known is not None and known[0] is default:
+        return known[1]
+    whole = key == tuple(range(dist.get_world_size()))
+    group = dist.new_group(list(key), backend="gloo", use_local_synchronization=not whole)
+    _SIDE_GROUPS[key] = (default, group)
+    return group
+
+
+class CollectiveGuard:
+    """The side channel's rounds for one rank: guards before collectives, the meeting point, other agreements.
+
+    Args:
+        group: The gloo group of every rank that runs the guarded collectives (all the mesh's).
+
+    Attributes:
+        rounds: Rounds run so far (each one small ``all_gather``).
+        aborted: This rank's attempt stopped at a guard because a peer's failed (reset by :meth:`start`).
+        passed: Guards passed since :meth:`start`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.rounds = 0
+        self.aborted = False
+        self.passed = 0
+        # Allocated once: a round never allocates (an OOM in it would strand the peers).
+        self._mine = torch.zeros(WIDTH, dtype=torch.float64)
+        self._rows = torch.zeros(self.world_size * WIDTH, dtype=torch.float64)
+
+    def start(self) -> None:
+        """A new attempt begins: no guard passed, none aborted."""
+        self.aborted, self.passed = False, 0
+
+    def _round(self, kind: float, status: float, values: Sequence[float]) -> list[list[float]]:
+        mine = self._mine.numpy()
+        mine[0], mine[1] = kind, status
+        mine[2 : 2 + len(values)] = values
+        mine[2 + len(values) :] = 0.0
+        getattr(dist, ALL_GATHER)(self._rows, self._mine, group=self.group)
+        self.rounds += 1
+        return self._rows.view(self.world_size, WIDTH).tolist()
+
+    def before(self, op: float, numel: int) -> None:
+        """Before collective ``op`` of ``numel`` elements: return when every rank is at it, else raise.
+
+        Raises:
+            PeerFailure: a peer's attempt failed (it is at the meeting point): this rank's stops too.
+            RuntimeError: the ranks are about to start different collectives, or a peer finished
+                the attempt while this rank still has one to start: the same on every rank.
+        """
+        if self.world_size == 1:
+            return
+        if self.aborted:  # a peer failed already: this attempt joins no more collectives
+            raise PeerFailure("CUDA out of memory on a peer: this rank's attempt stopped before an FSDP2 collective")
+        rows = self._round(_GUARD, Status.OK, (op, float(numel)))
+        meeting = [r for r, row in enumerate(rows) if row[0] != _GUARD]
+        if not meeting:
+            if any(row[2:4] != rows[0][2:4] for row in rows):
+                described = ", ".join(
+                    f"rank {r}: {_OPS.get(row[2], row[2])} of {int(row[3])}" for r, row in enumerate(rows)
+                )
+                raise RuntimeError(
+                    f"ElasticStep: the ranks were about to start different FSDP2 collectives ({described} elements): "
+                    "every rank must run the same FSDP2 modules, with the same trained parameters, in every "
+                    "microbatch. A parameter that only some ranks use needs module.set_reduce_scatter_unused_params("
+                    "True); no collective was started"
+                )
+            self.passed += 1
+            return
+        self.aborted = True
+        failed = [r for r in meeting if rows[r][1] != Status.OK]
+        if failed:
+            raise PeerFailure(
+                f"CUDA out of memory (or another error) on rank(s) {failed} during this attempt: rank {self.rank} "
+                "stopped before an FSDP2 collective its peers will not join, and retries with them"
+            )
+        raise RuntimeError(
+            f"ElasticStep: rank(s) {meeting} finished the attempt's FSDP2 collectives while rank {self.rank} was "
+            f"about to start another ({_OPS.get(op, op)} of {numel} elements): every rank must run as many "
+            "microbatches through the same FSDP2 modules (per-module gathering: give every rank a batch of at least "
+            "split_count rows, and no microbatch that count_fn counts 0 in); no collective was started"
+        )
+
+    def meet(self, status: Status, values: Sequence[float]) -> list[list[float]]:
+        """The meeting point (the vote): rounds until every rank is here; every rank's ``(status, *values)``.
+
+        A rank still at a guard sees this rank here, stops and comes too.
+        """
+        while True:
+            rows = self._round(_MEET, status, values)
+            if all(row[0] == _MEET for row in rows):
+                return [row[1:] for row in rows]
+
+    def answer(self, status: Status) -> None:
+        """One round at the meeting point: a failed rank answers the guard its peers wait at (a known sequence)."""
+        self._round(_MEET, status, ())
+
+    def agree(self, status: Status, values: Sequence[float]) -> list[list[float]]:
+        """An agreement outside the attempts (every rank here in step): every rank's ``(status, *values)``.
+
+        Raises:
+            RuntimeError: a rank is elsewhere on the side channel (a bug: the protocol lost its step).
+        """
+        rows = self._round(_AGREE, status, values)
+        strays = [r for r, row in enumerate(rows) if row[0] != _AGREE]
+        if strays:
+            places = ", ".join(f"rank {r} at {_KINDS.get(rows[r][0], rows[r][0])}" for r in strays)
+            raise RuntimeError(f"ElasticStep: the ranks' side channel is out of step ({places}); please report this")
+        return [row[1:] for row in rows]
+
+
+def _inner_comm(comm: Any) -> Any:
+    return comm.inner if isinstance(comm, (_GuardedAllGather, _GuardedReduceScatter)) else comm
+
+
+def _comm_classes() -> tuple[type, type]:
+    # FSDP2's comm interfaces (torch 2.13 keeps them in a private module: read in this one place).
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    return AllGather, ReduceScatter
+
+
+_AllGatherBase, _ReduceScatterBase = _comm_classes()
+
+
+class _GuardedAllGather(_AllGatherBase):  # type: ignore[misc, valid-type]
+    """FSDP2's all-gather comm, guarded: ``allocate`` as the inner comm's, the guard round before ``__call__``."""
+
+    def __init__(self, inner: Any, guard: CollectiveGuard) -> None:
+        self.inner, self.guard = inner, guard
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> Any:
+        self.guard.before(ALL_GATHER_OP, output_tensor.numel())
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+
+
+class _GuardedReduceScatter(_ReduceScatterBase):  # type: ignore[misc, valid-type]
+    """FSDP2's reduce-scatter comm, guarded, its input first multiplied by this rank's ``factor()`` (in place)."""
+
+    def __init__(self, inner: Any, guard: CollectiveGuard, factor: Callable[[], float]) -> None:
+        self.inner, self.guard, self.factor = inner, guard, factor
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        factor = self.factor()
+        if factor != 1.0:
+            input_tensor.mul_(factor)
+        self.guard.before(REDUCE_SCATTER_OP, input_tensor.numel())
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
+
+
+def guarded_comms(
+    groups: Sequence[Any], guard: CollectiveGuard, factor: Callable[[Any], Callable[[], float]] | None = None
+) -> Callable[[], None]:
+    """Guard the all-gathers (and, with ``factor``, the reduce-scatters) of FSDP2 parameter ``groups``.
+
+    The comms the groups had (FSDP2's defaults, or the user's) run inside the guarded ones.
+
+    Args:
+        groups: FSDP2's ``FSDPParamGroup`` objects.
+        guard: The guard whose rounds precede each collective.
+        factor: ``group -> (() -> float)``: what multiplies that group's reduce-scatter input on
+            this rank (the rank's share of the global mean); ``None`` leaves the reduce-scatters
+            alone.
+
+    Returns:
+        A function that puts the groups' own comms back.
+    """
+    saved = [(group, group._all_gather_comm, group._reduce_scatter_comm) for group in groups]
+    for group, all_gather, reduce_scatter in saved:
+        group._all_gather_comm = _GuardedAllGather(_inner_comm(all_gather), guard)
+        if factor is not None:
+            group._reduce_scatter_comm = _GuardedReduceScatter(_inner_comm(reduce_scatter), guard, factor(group))
+
+    def restore() -> None:
+        for group, all_gather, reduce_scatter in saved:
+            group._all_gather_comm, group._reduce_scatter_comm = all_gather, reduce_scatter
+
+    return restore

@@ -1,0 +1,124 @@
+"""OOM injection in the buffers of FSDP2's collectives: an all-gather's output, a reduce-scatter's input.
+
+FSDP2 allocates each collective's buffer through its comm object's ``allocate()`` just before
+the collective; these injections raise there, on a chosen rank, as the device's allocator
+would: the point where a rank that runs out of memory leaves its peers waiting in the
+collective that follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from elastic_batches.testing.injection import OOMInjection, _call_set, _check_rank
+
+__all__ = ["inject_oom_in_all_gather", "inject_oom_in_reduce_scatter"]
+
+
+class _AllocatePatch:
+    """Puts a replacement ``allocate`` on an FSDP2 comm class (inherited there) until :meth:`remove`."""
+
+    def __init__(self, cls: type, replacement: Any) -> None:
+        self._cls, self._own = cls, cls.__dict__.get("allocate")
+        cls.allocate = replacement  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        if self._own is None:
+            del self._cls.allocate  # type: ignore[attr-defined]
+        else:
+            self._cls.allocate = self._own  # type: ignore[attr-defined]
+
+
+def _comm_classes() -> tuple[type, type]:
+    # FSDP2's default comms (torch 2.13 keeps them in a private module: read in this one place).
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    return DefaultAllGather, DefaultReduceScatter
+
+
+def inject_oom_in_all_gather(*, calls: int | Iterable[int] = 0, rank: int | None = None) -> OOMInjection:
+    """Raises :class:`torch.OutOfMemoryError` in chosen allocations of an FSDP2 all-gather's output buffer.
+
+    Counts the calls of FSDP2's default all-gather ``allocate()`` (one per all-gather: a
+    module's forward or backward unshard, or a prefetch), numbered from 0 over the handle's
+    lifetime on each rank, and raises at the chosen ones before anything is allocated. Only one
+    injection of this kind can be active at a time.
+
+    Args:
+        calls: The allocation number, or numbers, to raise at (from 0). Default: the first.
+        rank: Raise only on this ``torch.distributed`` rank; ``None`` (default) on every rank.
+
+    Returns:
+        An :class:`OOMInjection` handle (context manager, ``remove()``, ``fired``, ``calls_seen``).
+
+    Raises:
+        ValueError: If ``calls`` or ``rank`` is negative or ``calls`` is empty.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+        >>> from elastic_batches.testing import inject_oom_in_all_gather
+        >>> with inject_oom_in_all_gather(calls=1) as oom:
+        ...     _ = DefaultAllGather().allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+        ...     try:  # what FSDP2 does before its next all-gather
+        ...         DefaultAllGather().allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+        ...     except torch.OutOfMemoryError as err:
+        ...         print(err)
+        CUDA out of memory (injected by elastic_batches.testing at output allocation 1 of FSDP2 all-gather)
+        >>> oom.calls_seen, oom.fired
+        (2, 1)
+    """
+    all_gather, _ = _comm_classes()
+    handle = OOMInjection("FSDP2 all-gather", "all-gather", _call_set(calls, "allocation"), _check_rank(rank))
+    original = all_gather.allocate  # type: ignore[attr-defined]
+
+    def allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handle._count_call("at output allocation")
+        return original(self, *args, **kwargs)
+
+    handle._handles.append(_AllocatePatch(all_gather, allocate))
+    return handle
+
+
+def inject_oom_in_reduce_scatter(*, calls: int | Iterable[int] = 0, rank: int | None = None) -> OOMInjection:
+    """Raises :class:`torch.OutOfMemoryError` in chosen allocations of an FSDP2 reduce-scatter's input buffer.
+
+    FSDP2 allocates a reduce-scatter's input (the unsharded gradients, laid out for the
+    collective) and then its output through the same ``allocate()``; only the inputs are
+    counted, one per reduce-scatter (a module's backward), numbered from 0 over the handle's
+    lifetime on each rank, and the chosen ones raise before anything is allocated. Only one
+    injection of this kind can be active at a time.
+
+    Args:
+        calls: The reduce-scatter number, or numbers, to raise at (from 0). Default: the first.
+        rank: Raise only on this ``torch.distributed`` rank; ``None`` (default) on every rank.
+
+    Returns:
+        An :class:`OOMInjection` handle (context manager, ``remove()``, ``fired``, ``calls_seen``).
+
+    Raises:
+        ValueError: If ``calls`` or ``rank`` is negative or ``calls`` is empty.
+
+    Example:
+        >>> from elastic_batches.testing import inject_oom_in_reduce_scatter
+        >>> oom = inject_oom_in_reduce_scatter(calls=[0, 2], rank=1)
+        >>> oom.remove()
+        >>> oom.calls_seen, oom.fired
+        (0, 0)
+    """
+    _, reduce_scatter = _comm_classes()
+    handle = OOMInjection("FSDP2 reduce-scatter", "reduce-scatter", _call_set(calls, "allocation"), _check_rank(rank))
+    original = reduce_scatter.allocate  # type: ignore[attr-defined]
+    input_next = [True]  # each reduce-scatter allocates its input, then its output
+
+    def allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if input_next[0]:
+            handle._count_call("at input allocation")  # raises here: the next allocation is an input again
+            input_next[0] = False
+        else:
+            input_next[0] = True
+        return original(self, *args, **kwargs)
+
+    handle._handles.append(_AllocatePatch(reduce_scatter, allocate))
+    return handle
