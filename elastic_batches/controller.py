@@ -463,6 +463,23 @@ class SplitController:
 
     # -- state --------------------------------------------------------------------------------
 
+    def forget_sizes(self) -> None:
+        """Forget which sizes fitted and failed: the memory they were measured under changed (a new scheme).
+
+        The retry of the batch that showed it counts in :attr:`retry_count`.
+
+        Example:
+            >>> import elastic_batches as eb
+            >>> controller = eb.SplitController()
+            >>> controller.record_oom(64, 64)
+            >>> controller.forget_sizes()
+            >>> controller.microbatch_size is None, controller.retry_count
+            (True, 2)
+        """
+        self._learn(0, None)
+        self._grow_pending = False
+        self.retry_count += 1
+
     def state_dict(self) -> dict[str, Any]:
         """What the controller learned and counted, as plain values.
 

@@ -80,9 +80,7 @@ def _stop_together(
     """
     outcome = sync.agree(Status.OOM if final is not None else Status.OK)
     if (final is not None or outcome.status != Status.OK) and sync.fall_back():
-        state = controller.state_dict()
-        state.update(fits=0, fails=None, grow_pending=False, retry_count=state["retry_count"] + 1)
-        controller.load_state_dict(state)
+        controller.forget_sizes()
         return
     if final is not None:
         raise final from oom

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from elastic_batches.testing.ranks import RankPool
 from torch import nn
 
 import elastic_batches as eb
@@ -27,6 +26,7 @@ from elastic_batches.testing import (
     inject_oom_in_all_gather,
     inject_oom_in_reduce_scatter,
 )
+from elastic_batches.testing.ranks import RankPool
 
 RTOL = 1e-5
 LR = 0.1
@@ -557,11 +557,11 @@ def _lightning(rank: int, world: int) -> dict[str, Any]:
     import warnings
 
     import lightning.pytorch as pl
-    from elastic_batches.testing.fault_matrix import lightning_environment
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
     from elastic_batches.lightning import ElasticAccumulation, Trainer
+    from elastic_batches.testing.fault_matrix import lightning_environment
 
     warnings.filterwarnings("ignore")
     lightning_environment(rank, world)

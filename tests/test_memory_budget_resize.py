@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from elastic_batches.testing.ranks import RankPool
 from torch import nn
 
 from elastic_batches.testing import MemoryBudget
+from elastic_batches.testing.ranks import RankPool
 
 
 def test_a_storage_from_before_the_budget_counts_what_it_regains_after_being_freed() -> None:
