@@ -8,7 +8,7 @@ depends on the model:
   ``labels``) shifts the labels inside the model: position ``t`` predicts ``labels[:, t + 1]``,
   so its loss is a mean over ``labels[:, 1:] != -100``. Counting ``labels != -100`` counts one
   token too many per row whose first label is not ignored: the weights are then wrong by a few
-  percent (a tiny GPT-2 in tests/test_huggingface.py: 1.7e-2 to 7.5e-2 relative gradient error).
+  percent (``docs/recipes.md`` shows it on a tiny GPT-2).
 - A **masked LM** or a **token classifier** (``BertForMaskedLM``, ``...ForTokenClassification``)
   does not shift: the mean is over ``labels != -100``.
 - A **sequence classifier** has one label per row: the loss is a mean over rows, the default

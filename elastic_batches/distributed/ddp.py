@@ -28,7 +28,7 @@ class SingleRankDDP(GradientSync):
     """DDP over one rank: every microbatch under ``no_sync``, and nothing to reduce.
 
     DDP's reducer would otherwise copy every microbatch's gradients into its buckets and
-    all-reduce them with no peer: 1.5x the step of a small model.
+    all-reduce them with no peer, a cost of the order of the step itself for a small model.
     """
 
     def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
@@ -110,7 +110,7 @@ class DistributedDataParallel(Agreeing):
         return [p for p in params if id(p) not in self._ignored] if self._ignored else params
 
     # Without no_grad: nothing here is recorded by autograd (zeros, views of gradients), and the
-    # context took about a quarter of a steady step's prepare.
+    # context would be a fixed cost of every step.
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         params = self._synced(params)
         self._used.record([p.grad is not None for p in params])
