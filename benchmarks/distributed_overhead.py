@@ -334,13 +334,13 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def _run(world: int) -> list[dict[str, Any]]:
-    """The records of ``world`` spawned ranks."""
+def _run(world: int, worker: Callable[..., None] = _worker) -> list[dict[str, Any]]:
+    """The records of ``world`` spawned ranks, each running ``worker(rank, world, init_file, results)``."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_worker, args=(r, world, init_file, results)) for r in range(world)]
+        processes = [context.Process(target=worker, args=(r, world, init_file, results)) for r in range(world)]
         for process in processes:
             process.start()
         records: list[dict[str, Any]] = results.get(timeout=1800)
@@ -523,22 +523,8 @@ def _modes_table(records: list[dict[str, Any]]) -> None:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
-def _run_modes(world: int) -> list[dict[str, Any]]:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_modes_worker, args=(r, world, init_file, results)) for r in range(world)]
-        for process in processes:
-            process.start()
-        records: list[dict[str, Any]] = results.get(timeout=1800)
-        for process in processes:
-            process.join()
-    return records
-
-
 def main() -> None:
-    modes = _run_modes(2) + _run_modes(4)
+    modes = _run(2, _modes_worker) + _run(4, _modes_worker)
     _modes_table(modes)
     if "--modes" in sys.argv[1:]:
         for r in modes:
