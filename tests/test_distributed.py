@@ -1195,7 +1195,7 @@ def _vote_in(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     sync.prepare(params)
     status = eb.distributed.Status.OK if rank == 0 else eb.distributed.Status.OOM
     with _counting_collectives() as counts:
-        verdict = sync.vote(status, 2**40 + 3 - rank, 1e15 / 3 + rank, params)
+        verdict = sync.vote(status, 2**40 + 3 - rank, 1e15 / 3 + rank, params, capacity=2**40 + 7 - rank)
     sync.discard()
     return {"verdict": tuple(verdict), "counts": counts}
 
@@ -1206,9 +1206,10 @@ def test_ddp_fused_vote_is_exact_in_any_gradient_dtype(ranks: RankPool, dtype: s
     grand_total = math.fsum([1e15 / 3, 1e15 / 3 + 1])
     for rank, result in enumerate(results):
         assert result["counts"][GATHER] == 0 and result["counts"]["all_reduce"] == 1
-        status, oom_ranks, error_ranks, oom_size, size, scale, sums = result["verdict"]
+        status, oom_ranks, error_ranks, oom_size, size, scale, sums, capacity = result["verdict"]
         assert (status, oom_ranks, error_ranks, sums) == (eb.distributed.Status.OOM, (1,), (), ())
         assert (oom_size, size, scale) == (2**40 + 2, 2**40 + 2, (1e15 / 3 + rank) / grand_total)
+        assert capacity == 2**40 + 6  # each rank's predicted capacity rides in the vote: the smallest
 
 
 # -- the harness itself ------------------------------------------------------------------------

@@ -345,9 +345,16 @@ class FullyShard(Agreeing):
         self._used.record(used)
         self._grads, self._buckets, self._fused_grads = grads, buckets, fused
 
-    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+    def vote(
+        self,
+        status: Status,
+        size: int,
+        total: float,
+        params: Sequence[torch.Tensor] | None = None,
+        capacity: int = 0,
+    ) -> Verdict:
         if params is None:  # no gradients to reduce (evaluation): the vote alone
-            return super().vote(status, size, total)
+            return super().vote(status, size, total, capacity=capacity)
         fused = self._fused
         assert fused is not None
         parts = fused.parts()
@@ -356,7 +363,7 @@ class FullyShard(Agreeing):
                 _fill(parts, entry)
             if total != self._reference:
                 parts.mul_(total / self._reference)
-        rows = fused.exchange((status, size, total, self._used.flag), self.group)
+        rows = fused.exchange((status, size, total, self._used.flag, capacity), self.group)
         verdict = verdict_of(rows, total)
         self._used.learn(verdict.status, rows)
         grand_total = math.fsum(r[2] for r in rows)
