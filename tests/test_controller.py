@@ -319,7 +319,7 @@ def test_state_round_trip_contract(seed: int, grow_after: int | None) -> None:
         _play(original, env[:stop])
         state = original.state_dict()
         assert json.loads(json.dumps(state)) == state  # plain values only
-        assert set(state) == set(_STATE_KEYS) and state["version"] == 1
+        assert set(state) == set(_STATE_KEYS) and state["version"] == 2
         restored = eb.SplitController(**kwargs)
         restored.load_state_dict(copy.deepcopy(state))
         assert restored.state_dict() == state
@@ -360,7 +360,7 @@ _DROP = object()
         (
             _state_with(version=99),
             ValueError,
-            r"state version 99 is not supported \(this elastic_batches writes version 1\)",
+            r"state version 99 is not supported \(this elastic_batches writes version 2\)",
         ),
         (
             _state_with(unit="tokens", fits=7),
@@ -411,7 +411,11 @@ def test_plan_rejects_bad_rows(rows: Any) -> None:
 def test_repr_shows_what_was_learned() -> None:
     controller = eb.SplitController()
     controller.record_oom(64, 64)
-    assert repr(controller) == "SplitController(split_count=2, microbatch_size=32, fits=0, fails=64, oom_count=1)"
+    assert repr(controller) == (
+        "SplitController(split_count=2, microbatch_size=32, fits=0, fails=64, oom_count=1, "
+        "memory='nothing measured yet, margin 5%')"
+    )
+    assert repr(eb.SplitController(margin=None)).endswith("fails=None, oom_count=0)")
 
 
 def test_limits_set_later_apply_to_the_next_count_and_are_checked() -> None:
