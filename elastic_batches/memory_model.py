@@ -24,9 +24,15 @@ the origin until a later microbatch is measured: ``per_unit = increment / size``
 over-estimates any larger microbatch.
 
 Increments are kept per size (the latest measurement of each of the last sixteen sizes). The line
-is a least-squares fit when the sizes spread by 1.5x or more, else through the origin. A
+is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls), else through the
+origin. A
 measurement more than 5% below what the line predicts at its size means memory per microbatch
-fell (a layer frozen, shorter shapes): the older points are dropped.
+fell (a layer frozen, shorter shapes): the older points are dropped. Beyond the largest size
+measured, the increment is at least the smaller of that measurement scaled by size (through the
+origin) and that measurement plus twice the bytes per unit that forwards held (what backward
+frees: saved activations, about as much again for their gradients): a peak is often the larger
+of two lines (the gradient being accumulated at small sizes, the activations at large ones), and
+a line fitted on the small sizes would under-estimate the large.
 
 A plan keeps the predicted peak under the capacity minus ``margin`` of it. An OOM that the model
 did not predict (it said the microbatch fits in what was free when it failed) widens the margin
@@ -106,10 +112,14 @@ class MemoryModel:
         >>> model.observe_retained(400)  # what it left allocated: the gradients
         >>> model.observe(size=10, increment=1100, first=False)
         >>> model.observe(size=20, increment=2100, first=False)
-        >>> model.fixed, model.per_unit, model.predict(30)
-        (100.0, 100.0, 3500)
-        >>> model.largest(MemoryReading(in_use=1000, capacity=10000))  # 9500 usable: 1000 + 400 + 100 + 80 * 100
-        80
+        >>> model.fixed, model.per_unit, model.predict(20)
+        (100.0, 100.0, 2500)
+        >>> model.largest(MemoryReading(in_use=1000, capacity=3000))  # 2850 usable: 1000 + 400 + 100 + 13 * 100
+        13
+        >>> model.largest(MemoryReading(in_use=1000, capacity=6000))  # the line allows 42; beyond 20, 2100 per 20
+        40
+        >>> model.predict(40)  # beyond 20, at least 2100 bytes per 20: 400 + 4200
+        4600
     """
 
     def __init__(self, margin: float = 0.05, *, unit: str = "rows") -> None:
@@ -127,6 +137,9 @@ class MemoryModel:
         self._later: dict[int, int] = {}  # size -> increment of a microbatch after the first, latest last
         self._first: dict[int, int] = {}
         self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
+        self._forward: dict[int, int] = {}  # size -> bytes a microbatch after the first held when its forward ended
+        self._spread = False  # the line's slope comes from sizes 1.5x apart (else: through the origin)
+        self._line_fixed = 0.0
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.describe()})"
@@ -149,8 +162,34 @@ class MemoryModel:
     # -- what it predicts ---------------------------------------------------------------------
 
     def increment(self, size: int) -> int:
-        """Bytes a microbatch of ``size`` needs over the memory in use before it."""
-        return math.ceil(self.fixed + self.per_unit * size)
+        """Bytes a microbatch of ``size`` needs over the memory in use before it.
+
+        Up to the largest size measured, the line. Beyond it, the line and at least the smaller
+        of two bounds: that measurement scaled by size (through the origin), and that
+        measurement plus twice the bytes per unit the forwards held (saved activations, and
+        their gradients in backward). A peak is often the larger of two lines (the gradient
+        being accumulated at small sizes, the activations at large ones), and a line fitted on
+        the smaller sizes alone would under-estimate the larger.
+        """
+        line = self.fixed + self.per_unit * size
+        top = self._top()
+        if top is not None and size > top[0]:
+            scaled = top[1] * size / top[0]
+            forward = self._forward_per_unit()
+            if forward > 0:
+                scaled = min(scaled, top[1] + 2 * forward * (size - top[0]))
+            line = max(line, scaled)
+        return math.ceil(round(line, 6))  # not a byte more for float rounding
+
+    def _top(self) -> tuple[int, int] | None:
+        """The largest size measured after a first microbatch, and its increment."""
+        if not self._later:
+            return None
+        size = max(self._later)
+        return size, self._later[size]
+
+    def _forward_per_unit(self) -> float:
+        return max((held / size for size, held in self._forward.items()), default=0.0)
 
     def predict(self, size: int) -> int:
         """Bytes an attempt whose largest microbatch has ``size`` needs over the memory in use at its start."""
@@ -168,30 +207,40 @@ class MemoryModel:
         """
         if reading.capacity is None or not (self._later or self._first):
             return 0
-        available = reading.capacity * (1.0 - self.margin) - reading.in_use - self.fixed
+        available = reading.capacity * (1.0 - self.margin) - reading.in_use
         if not started:
             available -= self.retained or 0
-        if available < 0:
+        if available < self.fixed:
             return 0
-        if self.per_unit <= 0:
-            return 1 << 62
-        return int(available // self.per_unit)
+        size = (1 << 62) if self.per_unit <= 0 else int((available - self.fixed) // self.per_unit)
+        top = self._top()
+        if top is not None and size > top[0] and top[1] > 0:
+            beyond = int(available * top[0] // top[1])  # through the origin
+            forward = self._forward_per_unit()
+            if forward > 0:
+                beyond = max(beyond, top[0] + int((available - top[1]) // (2 * forward)))
+            size = max(top[0], min(size, beyond))
+        return size
 
-    # -- what it learns -----------------------------------------------------------------------
-
-    def observe(self, size: int, increment: int, *, first: bool) -> None:
+    def observe(self, size: int, increment: int, *, first: bool, forward: int | None = None) -> None:
         """A microbatch of ``size`` took ``increment`` bytes at its peak over what was in use before it.
 
         Args:
             size: Its size in the unit.
             increment: Its peak minus the bytes in use when it started.
             first: It was the first microbatch of its attempt.
+            forward: The bytes it held over that when its forward ended (``None``: not measured).
         """
         if size < 1:
             return
         increment = max(0, int(increment))
         points = self._first if first else self._later
-        if not first and self._later and increment < (1.0 - _FELL) * self.increment(size):
+        if not first and forward is not None:
+            self._forward.pop(size, None)
+            self._forward[size] = max(0, int(forward))
+            while len(self._forward) > _FIRSTS:
+                self._forward.pop(next(iter(self._forward)))
+        if not first and increment < (1.0 - _FELL) * self._expected(size):
             self._later.clear()  # memory per microbatch fell: what was measured before no longer holds
         points.pop(size, None)
         points[size] = increment
@@ -201,6 +250,14 @@ class MemoryModel:
             for failed in [s for s, free in self._failures.items() if s <= size and free >= increment]:
                 del self._failures[failed]
         self._fit()
+
+    def _expected(self, size: int) -> float:
+        """What the measurements say a later microbatch of ``size`` takes: at that size, or on a fitted line."""
+        if size in self._later:
+            return self._later[size]
+        if self._spread:
+            return self._line_fixed + self.per_unit * size
+        return 0.0
 
     def observe_retained(self, nbytes: int) -> None:
         """The memory in use grew by ``nbytes`` from the start of an attempt to its second microbatch."""
@@ -249,14 +306,16 @@ class MemoryModel:
             return
         sizes = list(points)
         slope = 0.0
-        if len(sizes) >= 2 and max(sizes) >= _SPREAD * min(sizes):
+        self._spread = len(sizes) >= 2 and max(sizes) >= _SPREAD * min(sizes)
+        if self._spread:
             mean_s = sum(sizes) / len(sizes)
             mean_y = sum(points.values()) / len(sizes)
             var = sum((s - mean_s) ** 2 for s in sizes)
-            slope = sum((s - mean_s) * (y - mean_y) for s, y in points.items()) / var
-        if slope <= 0:  # through the origin: an upper bound for any larger microbatch
+            slope = max(0.0, sum((s - mean_s) * (y - mean_y) for s, y in points.items()) / var)
+        else:  # through the origin: an upper bound for any larger microbatch
             slope = max(y / s for s, y in points.items())
         fixed = max(0.0, max(y - slope * s for s, y in points.items()))
+        self._line_fixed = fixed  # the line through the measurements alone
         for size, free in self._failures.items():
             fixed = max(fixed, free + 1 - slope * size)
         self.per_unit, self.fixed = slope, fixed
