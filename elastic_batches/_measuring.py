@@ -40,6 +40,7 @@ class Meter:
         self.start = start.in_use
         self.capacity = start.capacity
         self.index = 0  # microbatches measured so far
+        self.retained = 0  # the most the attempt held between its microbatches, over its start
         self.size: int | None = None  # the size of the microbatch whose window is open
         self.before = 0  # bytes in use when that window opened
         self.forward: int | None = None  # bytes it held over that when its forward ended
@@ -47,8 +48,9 @@ class Meter:
     def begin(self, size: int) -> None:
         """Open the window of the next microbatch, of ``size`` in the controller's unit (before it is cut)."""
         before = self.probe.start_window()
-        if self.index == 1:  # what the first microbatch left allocated: the gradients, the pieces cut
-            self.model.observe_retained(before - self.start)
+        if self.index >= 1:  # what the attempt holds between microbatches: the gradients, the pieces cut, losses
+            self.retained = max(self.retained, before - self.start)
+            self.model.observe_retained(self.retained)
         self.size, self.before, self.forward = size, before, None
 
     def forward_done(self) -> None:
@@ -80,11 +82,9 @@ class Meter:
             return
         self.model.observe_failure(self.size, self.capacity - self.before, first=self.index == 0)
 
-    def forecast(self) -> int:
-        """For the vote: the largest microbatch the model predicts fits an attempt starting as this one did; 0: none."""
-        if not self.model.ready:
-            return 0
-        return max(1, self.model.largest(MemoryReading(self.start, self.capacity)))
+    def reading(self) -> MemoryReading:
+        """What the next attempt will likely start with: this one's start, the capacity last read."""
+        return MemoryReading(self.start, self.capacity)
 
 
 def measured_pieces(

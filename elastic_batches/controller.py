@@ -359,7 +359,7 @@ class SplitController:
             A count between 1 and the batch's rows, within the limits.
         """
         load = self._load(load)  # asking changes nothing: only record_success / record_oom learn
-        predicted = self._prediction(memory)
+        predicted = self._prediction(load, memory)
         if predicted is None:
             return self._search_plan(load, tag)
         count = load.count_within(predicted)
@@ -369,15 +369,48 @@ class SplitController:
             count = max(count, tag)
         return self._settled.clamp(load.rows, count)
 
-    def _prediction(self, memory: MemoryReading | None) -> int | None:
+    def _prediction(self, load: BatchLoad, memory: MemoryReading | None) -> int | None:
         """The largest microbatch the memory model predicts fits: agreed at the last vote, or less now; ``None``."""
         model = self.memory
         if model is None or not model.ready:
             return None
         sizes = [] if self._predicted is None else [self._predicted]
         if memory is not None and memory.capacity is not None:
-            sizes.append(model.largest(memory))
+            sizes.append(self.forecast(load, memory))
         return max(1, min(sizes)) if sizes else None
+
+    def _model_count(self, load: BatchLoad, memory: MemoryReading, *, started: bool = False) -> int:
+        """The fewest microbatches of ``load`` that the memory model predicts fit in ``memory``.
+
+        The margin may cost one microbatch, or a tenth of them, over the count without it, until
+        the model was wrong on this device once: rows are coarse (with pieces of 3 rows, one row
+        less is a third more microbatches), and an exact device needs no margin where the model
+        was never wrong. After an OOM it did not predict, the whole (widened) margin applies.
+        """
+        model = self.memory
+        assert model is not None
+        count = load.count_within(max(1, model.largest(memory, started=started)))
+        if model.wrong == 0:
+            exact = load.count_within(max(1, model.largest(memory, started=started, margin=0.0)))
+            count = min(count, max(exact + 1, int(1.1 * exact)))
+        return count
+
+    def forecast(self, load: int | BatchLoad, memory: MemoryReading) -> int:
+        """The largest microbatch the memory model predicts fits an attempt at ``load`` starting with ``memory``.
+
+        What :class:`ElasticStep` votes after each attempt (every rank then plans from the
+        smallest); 0 while the model cannot plan a whole attempt.
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> from elastic_batches.memory import MemoryReading
+            >>> SplitController().forecast(256, MemoryReading(in_use=0, capacity=1 << 30))  # nothing measured
+            0
+        """
+        load = self._load(load)
+        if not self.predicting() or memory.capacity is None:
+            return 0
+        return load.size_at(self._model_count(load, memory))
 
     def predicting(self) -> bool:
         """Whether plans are predicted from the memory model (fitted, and enabled)."""
@@ -422,8 +455,7 @@ class SplitController:
         The largest microbatch predicted to fit in what ``memory`` leaves free (the attempt's
         retained memory is in use already), within the limits.
         """
-        assert self.memory is not None
-        count = load.count_within(max(1, self.memory.largest(memory, started=True)))
+        count = self._model_count(load, memory, started=True)
         if self._max_split_count is not None:
             count = min(count, max(1, self._max_split_count - done))
         return max(1, min(count, load.rows, max(1, load.rows // self._min_microbatch_size)))

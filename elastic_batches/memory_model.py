@@ -28,11 +28,11 @@ is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls),
 origin. A
 measurement more than 5% below what the line predicts at its size means memory per microbatch
 fell (a layer frozen, shorter shapes): the older points are dropped. Beyond the largest size
-measured, the increment is at least the smaller of that measurement scaled by size (through the
-origin) and that measurement plus twice the bytes per unit that forwards held (what backward
-frees: saved activations, about as much again for their gradients): a peak is often the larger
-of two lines (the gradient being accumulated at small sizes, the activations at large ones), and
-a line fitted on the small sizes would under-estimate the large.
+measured, the increment is also at least that measurement continued at the slope of the
+measurements just below it, and at no less than 1.25 times the bytes per unit the forwards held
+(the saved activations, which backward needs, and a quarter more for their gradients): a peak is often the
+larger of two lines (the gradient being accumulated at small sizes, the activations at large
+ones), and a line fitted across both would under-estimate the larger sizes.
 
 A plan keeps the predicted peak under the capacity minus ``margin`` of it. An OOM that the model
 did not predict (it said the microbatch fits in what was free when it failed) widens the margin
@@ -64,6 +64,7 @@ _SPREAD = 1.5  # sizes this far apart give the line its slope
 _FELL = 0.05  # a measurement this far below the line: memory per microbatch fell
 _MAX_MARGIN = 0.5
 _MAX_WRONG = 4  # OOMs the model did not predict, before prediction turns off
+_BACKWARD = 1.25  # a microbatch's peak over what its forward held: its saved activations, a quarter more
 
 
 def check_margin(owner: str, margin: Any) -> None:
@@ -116,10 +117,8 @@ class MemoryModel:
         (100.0, 100.0, 2500)
         >>> model.largest(MemoryReading(in_use=1000, capacity=3000))  # 2850 usable: 1000 + 400 + 100 + 13 * 100
         13
-        >>> model.largest(MemoryReading(in_use=1000, capacity=6000))  # the line allows 42; beyond 20, 2100 per 20
-        40
-        >>> model.predict(40)  # beyond 20, at least 2100 bytes per 20: 400 + 4200
-        4600
+        >>> model.largest(MemoryReading(in_use=1000, capacity=6000))  # beyond 20: the slope from 10 to 20 goes on
+        42
     """
 
     def __init__(self, margin: float = 0.05, *, unit: str = "rows") -> None:
@@ -164,21 +163,18 @@ class MemoryModel:
     def increment(self, size: int) -> int:
         """Bytes a microbatch of ``size`` needs over the memory in use before it.
 
-        Up to the largest size measured, the line. Beyond it, the line and at least the smaller
-        of two bounds: that measurement scaled by size (through the origin), and that
-        measurement plus twice the bytes per unit the forwards held (saved activations, and
-        their gradients in backward). A peak is often the larger of two lines (the gradient
-        being accumulated at small sizes, the activations at large ones), and a line fitted on
-        the smaller sizes alone would under-estimate the larger.
+        Up to the largest size measured, the line. Beyond it, also at least the largest
+        measurement continued at the slope of the measurements nearest below it (the secant
+        from the largest size a third or more below), and at no less than 1.25 times the bytes
+        the forwards held per unit (what backward frees: the saved activations, and a quarter
+        more for their gradients): a peak is often the larger of two lines (the gradient being
+        accumulated at small sizes, the activations at large ones), and a line fitted across
+        both would under-estimate the larger sizes.
         """
         line = self.fixed + self.per_unit * size
         top = self._top()
         if top is not None and size > top[0]:
-            scaled = top[1] * size / top[0]
-            forward = self._forward_per_unit()
-            if forward > 0:
-                scaled = min(scaled, top[1] + 2 * forward * (size - top[0]))
-            line = max(line, scaled)
+            line = max(line, top[1] + self._beyond_slope() * (size - top[0]))
         return math.ceil(round(line, 6))  # not a byte more for float rounding
 
     def _top(self) -> tuple[int, int] | None:
@@ -188,38 +184,50 @@ class MemoryModel:
         size = max(self._later)
         return size, self._later[size]
 
-    def _forward_per_unit(self) -> float:
-        return max((held / size for size, held in self._forward.items()), default=0.0)
+    def _top_slope(self) -> float:
+        """Bytes per unit at the largest size measured: the secant from the largest size a third below, else
+        through the origin."""
+        top = self._top()
+        assert top is not None
+        below = [s for s in self._later if s * _SPREAD <= top[0]]
+        if not below:
+            return top[1] / top[0]
+        low = max(below)
+        return max(0.0, (top[1] - self._later[low]) / (top[0] - low))
+
+    def _beyond_slope(self) -> float:
+        """Bytes per unit beyond the largest size measured: the secant there, at least 1.25x what forwards held."""
+        forward = max((held / size for size, held in self._forward.items()), default=0.0)
+        return max(self._top_slope(), _BACKWARD * forward)
 
     def predict(self, size: int) -> int:
         """Bytes an attempt whose largest microbatch has ``size`` needs over the memory in use at its start."""
         return (self.retained or 0) + self.increment(size)
 
-    def largest(self, reading: MemoryReading, *, started: bool = False) -> int:
+    def largest(self, reading: MemoryReading, *, started: bool = False, margin: float | None = None) -> int:
         """The largest microbatch (in the unit) whose predicted peak keeps ``margin`` of the capacity free.
 
         Args:
             reading: The memory now.
             started: The attempt has run its first microbatch: ``retained`` is in use already.
+            margin: Another margin than the model's own (0: the capacity whole).
 
         Returns:
             A size, 0 when not even the fixed part fits or nothing is known.
         """
         if reading.capacity is None or not (self._later or self._first):
             return 0
-        available = reading.capacity * (1.0 - self.margin) - reading.in_use
+        available = reading.capacity * (1.0 - (self.margin if margin is None else margin)) - reading.in_use
         if not started:
             available -= self.retained or 0
         if available < self.fixed:
             return 0
         size = (1 << 62) if self.per_unit <= 0 else int((available - self.fixed) // self.per_unit)
         top = self._top()
-        if top is not None and size > top[0] and top[1] > 0:
-            beyond = int(available * top[0] // top[1])  # through the origin
-            forward = self._forward_per_unit()
-            if forward > 0:
-                beyond = max(beyond, top[0] + int((available - top[1]) // (2 * forward)))
-            size = max(top[0], min(size, beyond))
+        if top is not None and size > top[0]:
+            slope = self._beyond_slope()
+            if slope > 0:
+                size = max(top[0], min(size, top[0] + int((available - top[1]) // slope)))
         return size
 
     def observe(self, size: int, increment: int, *, first: bool, forward: int | None = None) -> None:

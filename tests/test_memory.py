@@ -31,11 +31,11 @@ def test_a_line_through_exact_measurements_is_found_exactly() -> None:
     model = _linear(MemoryModel(), fixed=3000, per_unit=700, sizes=[1, 10, 40, 25], retained=5000)
     assert (model.fixed, model.per_unit, model.retained) == (3000.0, 700.0, 5000)
     assert model.predict(30) == 5000 + 3000 + 21000
-    # 50_000 * 0.95 - 10_000 in use - 5000 retained = 32_500: the line allows 42 rows, but beyond the 40 measured
-    # (31_000 bytes) at least 775 per row: 41
-    assert model.largest(MemoryReading(10_000, 50_000)) == 41
+    # 50_000 * 0.95 - 10_000 in use - 5000 retained = 32_500: 3000 + 42 * 700 (beyond the 40 measured, the slope
+    # from 25 to 40 rows is the line's)
+    assert model.largest(MemoryReading(10_000, 50_000)) == 42
     assert model.largest(MemoryReading(10_000, 40_000)) == 28  # within what was measured: the line, 3000 + 28 * 700
-    assert model.largest(MemoryReading(10_000, 50_000), started=True) == 48  # the retained bytes in use already
+    assert model.largest(MemoryReading(10_000, 50_000), started=True) == 49  # the retained bytes in use already
 
 
 def test_beyond_the_largest_size_measured_the_increment_grows_at_least_in_proportion() -> None:
@@ -43,10 +43,21 @@ def test_beyond_the_largest_size_measured_the_increment_grows_at_least_in_propor
     model = MemoryModel()
     model.observe(1, 30_000, first=True)
     model.observe_retained(0)
-    for size in (2, 4, 8):
-        model.observe(size, max(30_000, 2000 * size), first=False)
+    for size in (2, 4, 8):  # the forward holds the activations: 1600 bytes per row
+        model.observe(size, max(30_000, 2000 * size), first=False, forward=1600 * size)
     assert model.increment(8) == 30_000 and model.increment(32) >= 2000 * 32  # the line alone would say 30_000
-    assert model.largest(MemoryReading(0, 100_000)) == 25  # 95_000 bytes: 8 rows took 30_000, 3.2x is 25 rows
+    # 95_000 bytes: from 8 rows (30_000) on at 1.25 x 1600 per row, 40 rows (47 would fit: it errs on the safe side)
+    assert model.largest(MemoryReading(0, 100_000)) == 40
+
+
+def test_beyond_the_largest_size_the_slope_just_below_it_continues() -> None:
+    model = MemoryModel()
+    model.observe(1, 5000, first=True)
+    model.observe_retained(0)
+    for size in (1, 2, 3, 4, 6):  # flat up to 3 rows, then 3000 per row
+        model.observe(size, max(9000, 3000 * size), first=False)
+    assert model.increment(10) >= 30_000  # the line through all of them would say 25_400
+    assert all(model.increment(s) >= max(9000, 3000 * s) for s in (1, 2, 3, 4, 6))
 
 
 def test_before_a_second_size_the_line_goes_through_the_origin_and_over_every_point() -> None:
