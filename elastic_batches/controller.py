@@ -359,7 +359,7 @@ class SplitController:
             A count between 1 and the batch's rows, within the limits.
         """
         load = self._load(load)  # asking changes nothing: only record_success / record_oom learn
-        predicted = self._prediction(load, memory)
+        predicted = self._prediction(memory)
         if predicted is None:
             return self._search_plan(load, tag)
         count = load.count_within(predicted)
@@ -369,34 +369,37 @@ class SplitController:
             count = max(count, tag)
         return self._settled.clamp(load.rows, count)
 
-    def _prediction(self, load: BatchLoad, memory: MemoryReading | None) -> int | None:
+    def _prediction(self, memory: MemoryReading | None) -> int | None:
         """The largest microbatch the memory model predicts fits: agreed at the last vote, or less now; ``None``."""
         model = self.memory
         if model is None or not model.ready:
             return None
         sizes = [] if self._predicted is None else [self._predicted]
         if memory is not None and memory.capacity is not None:
-            sizes.append(self.forecast(load, memory))
+            sizes.append(self._size(memory))
         return max(1, min(sizes)) if sizes else None
 
-    def _model_count(self, load: BatchLoad, memory: MemoryReading, *, started: bool = False) -> int:
-        """The fewest microbatches of ``load`` that the memory model predicts fit in ``memory``.
+    def _size(self, memory: MemoryReading, *, started: bool = False) -> int:
+        """The largest microbatch the model predicts fits in ``memory`` with the margin, in the controller's unit.
 
-        The margin may cost one microbatch, or a tenth of them, over the count without it, until
-        the model was wrong on this device once: rows are coarse (with pieces of 3 rows, one row
-        less is a third more microbatches), and an exact device needs no margin where the model
-        was never wrong. After an OOM it did not predict, the whole (widened) margin applies.
+        Until the model was wrong on this device once, the margin costs at most a twentieth of
+        the size it predicts without one (``size - size // 20``, so none below 20 rows or tokens),
+        which keeps any batch within ``max(fewest + 1, 1.1 * fewest)`` microbatches: rows are
+        coarse (with pieces of 3 rows, one row less is a third more microbatches), and a device
+        the model was never wrong on needs no more. After an OOM it
+        did not predict, the whole (widened) margin applies. A size, not a count: every rank
+        votes it, and any batch's count follows from it (0: nothing fits).
         """
         model = self.memory
         assert model is not None
-        count = load.count_within(max(1, model.largest(memory, started=started)))
-        if model.wrong == 0:
-            exact = load.count_within(max(1, model.largest(memory, started=started, margin=0.0)))
-            count = min(count, max(exact + 1, int(1.1 * exact)))
-        return count
+        size = model.largest(memory, started=started)
+        if not model.wrong:
+            exact = model.largest(memory, started=started, margin=0.0)
+            size = max(size, exact - exact // 20)
+        return size
 
-    def forecast(self, load: int | BatchLoad, memory: MemoryReading) -> int:
-        """The largest microbatch the memory model predicts fits an attempt at ``load`` starting with ``memory``.
+    def forecast(self, memory: MemoryReading) -> int:
+        """The largest microbatch the memory model predicts fits an attempt starting with ``memory``.
 
         What :class:`ElasticStep` votes after each attempt (every rank then plans from the
         smallest); 0 while the model cannot plan a whole attempt.
@@ -404,13 +407,12 @@ class SplitController:
         Example:
             >>> from elastic_batches import SplitController
             >>> from elastic_batches.memory import MemoryReading
-            >>> SplitController().forecast(256, MemoryReading(in_use=0, capacity=1 << 30))  # nothing measured
+            >>> SplitController().forecast(MemoryReading(in_use=0, capacity=1 << 30))  # nothing measured yet
             0
         """
-        load = self._load(load)
-        if not self.predicting() or memory.capacity is None:
+        if self.memory is None or not self.predicting() or memory.capacity is None:
             return 0
-        return load.size_at(self._model_count(load, memory))
+        return max(1, self._size(memory))
 
     def predicting(self) -> bool:
         """Whether plans are predicted from the memory model (fitted, and enabled)."""
@@ -455,7 +457,7 @@ class SplitController:
         The largest microbatch predicted to fit in what ``memory`` leaves free (the attempt's
         retained memory is in use already), within the limits.
         """
-        count = self._model_count(load, memory, started=True)
+        count = load.count_within(max(1, self._size(memory, started=True)))
         if self._max_split_count is not None:
             count = min(count, max(1, self._max_split_count - done))
         return max(1, min(count, load.rows, max(1, load.rows // self._min_microbatch_size)))

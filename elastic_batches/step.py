@@ -408,7 +408,7 @@ class ElasticStep:
                     run(attempt, count)
                 except Exception as err:  # maybe on this rank only: the vote must still happen
                     attempt.status, attempt.error, attempt.result = status_of(err), err, None
-                capacity = self._forecast(attempt, load)
+                capacity = self._forecast(attempt)
                 verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params, capacity=capacity)
                 if verdict.status == Status.OK:
                     self._rollback.commit()
@@ -446,7 +446,7 @@ class ElasticStep:
                     self.memory = None  # no probe for this device: not looked for again
         return self._probe
 
-    def _forecast(self, attempt: _Attempt, load: BatchLoad) -> int:
+    def _forecast(self, attempt: _Attempt) -> int:
         """After an attempt, before the vote: what the model learned from it, and its prediction for the next."""
         meter = attempt.meter
         if meter is None:
@@ -454,7 +454,7 @@ class ElasticStep:
         try:
             if attempt.error is not None:
                 meter.failed(attempt.error)
-            return self.controller.forecast(load, meter.reading())
+            return self.controller.forecast(meter.reading())
         except Exception:  # a probe that fails must not keep this rank from the vote: predict nothing
             return 0
 
