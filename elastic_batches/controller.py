@@ -417,7 +417,13 @@ class SplitController:
         return max(1, self._size(memory))
 
     def predicting(self) -> bool:
-        """Whether plans are predicted from the memory model (fitted, and enabled)."""
+        """Whether plans are predicted from the memory model (fitted, and enabled).
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> SplitController().predicting()  # nothing measured yet
+            False
+        """
         return self.memory is not None and self.memory.ready
 
     def measurement(self, load: int | BatchLoad, *, smallest: int = 1) -> int:
@@ -458,6 +464,16 @@ class SplitController:
 
         The largest microbatch predicted to fit in what ``memory`` leaves free (the attempt's
         retained memory is in use already), within the limits.
+
+        Example:
+            >>> from elastic_batches import BatchLoad, SplitController
+            >>> from elastic_batches.memory import MemoryReading
+            >>> controller = SplitController()
+            >>> model = controller.memory  # a first microbatch of 1 row, then one of 8 rows took 1800 bytes
+            >>> model.observe(1, 1100, first=True); model.observe_retained(500)
+            >>> model.observe(8, 1800, first=False)  # one size: 225 bytes per row, through the origin
+            >>> controller.plan_rest(BatchLoad(95), MemoryReading(in_use=500, capacity=5000), done=1)  # 19 rows fit
+            5
         """
         count = load.count_within(max(1, self._size(memory, started=True)))
         if self._max_split_count is not None:
