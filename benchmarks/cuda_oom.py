@@ -11,9 +11,18 @@ one GPU it checks, and prints:
    gradient computed before the cap (float32, TF32 off) within 1e-5 relative.
 2. **The memory.** After the retries, the allocated bytes are those before the step plus the
    gradients: nothing of a failed attempt stays alive.
-3. **The search.** A few more steps let the controller settle (at most ceil(log2 B) + 4 OOMs in
-   all); then steps at the settled count raise no OOM, and their time is compared with a
-   hand-written loop at the same split (``ElasticStep``'s overhead on a GPU).
+3. **The search.** Today's OOM-driven search (``SplitController(margin=None)``, no memory probe):
+   a few more steps let it settle (at most ceil(log2 B) + 4 OOMs in all); then steps at the
+   settled count raise no OOM, and their time is compared with a hand-written loop at the same
+   split (``ElasticStep``'s overhead on a GPU).
+4. **The prediction.** A fresh ``SplitController()`` (margin 5%) with the step's CUDA probe
+   (``memory="auto"``) under the same cap: the OOMs it spends until its count stops changing
+   (the target: at most 1, and 0 OOMs afterwards), its first step's gradient (a measuring
+   microbatch, then pieces of other sizes) against the full batch's, and per microbatch measured
+   once the model was fitted, the predicted against the measured peak over the memory in use
+   before the microbatch (relative error, median and largest). Then the throughput (rows/s) of
+   the settled plan against the best of a sweep of fixed microbatch sizes, each run as a
+   hand-written loop (sizes that OOM are left out).
 
 Run: ``python benchmarks/cuda_oom.py``. Exit status 1 if a check fails. Prints a table, then
 one JSON line.
@@ -32,11 +41,15 @@ from _harness import emit, table
 
 from elastic_batches import ElasticStep, SplitController
 from elastic_batches.demo import DemoConfig
-from elastic_batches.testing.models import TinyLM, lm_loss
+from elastic_batches.memory_model import MemoryModel
+from elastic_batches.oom import is_oom_error, release_memory
+from elastic_batches.testing.models import lm_loss
 
 RTOL = 1e-5
 SETTLING_STEPS = 5
 STEADY_STEPS = 10
+PREDICTED_STEPS = 6
+SWEEP = (1, 2, 4, 8, 16, 32, 64)  # fixed microbatch sizes (rows) for the throughput comparison
 
 
 def _gradients(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -55,6 +68,95 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def _record_predictions(model: MemoryModel) -> list[tuple[int, int, int]]:
+    """``(size, predicted, measured)`` bytes over the memory in use, per later microbatch, once the model is fitted."""
+    records: list[tuple[int, int, int]] = []
+    observe = model.observe
+
+    def recorded(size: int, increment: int, *, first: bool, forward: int | None = None) -> None:
+        if model.ready and not first:
+            records.append((size, model.increment(size), increment))
+        observe(size, increment, first=first, forward=forward)
+
+    model.observe = recorded  # type: ignore[method-assign]
+    return records
+
+
+def _fixed_size_rate(
+    loss_fn: Any, model: torch.nn.Module, tokens: torch.Tensor, size: int, repeats: int
+) -> float | None:
+    """Rows per second of a hand-written loop at microbatches of ``size`` rows; ``None`` if it runs out of memory."""
+    pieces = [{"tokens": t} for t in tokens.split(size)]
+
+    def by_hand() -> None:
+        for piece in pieces:
+            (loss_fn(piece) * (len(piece["tokens"]) / len(tokens))).backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        by_hand()  # warm-up, and whether it fits
+        seconds = statistics.median(_timed(by_hand) for _ in range(repeats))
+    except Exception as err:
+        if not is_oom_error(err):
+            raise
+        del err
+        model.zero_grad(set_to_none=True)
+        release_memory()
+        return None
+    return len(tokens) / seconds
+
+
+def _predicted(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_fn: Any, reference: Any) -> dict[str, Any]:
+    """Part 4: the predicting controller under the cap; OOMs to settle, gradient, prediction error, throughput."""
+    tokens = batch["tokens"]
+    controller = SplitController()
+    assert controller.memory is not None
+    records = _record_predictions(controller.memory)
+    step = ElasticStep(model, controller=controller)  # memory="auto": the CUDA probe
+    model.zero_grad(set_to_none=True)
+    step.backward(batch, loss_fn)
+    error = _relative_error(_gradients(model), reference)
+    counts, ooms = [controller.split_count], [controller.oom_count]
+    for _ in range(PREDICTED_STEPS - 1):
+        model.zero_grad(set_to_none=True)
+        step.backward(batch, loss_fn)
+        counts.append(controller.split_count)
+        ooms.append(controller.oom_count)
+    model.zero_grad(set_to_none=True)
+    settled = next(i for i in range(len(counts)) if len(set(counts[i:])) == 1)
+    to_settle, after = ooms[settled], ooms[-1] - ooms[settled]
+    errors = [abs(p - m) / m for _, p, m in records if m > 0]
+    under = sum(p < m for _, p, m in records)
+
+    def elastic() -> None:
+        step.backward(batch, loss_fn)
+        model.zero_grad(set_to_none=True)
+
+    elastic()
+    seconds = statistics.median(_timed(elastic) for _ in range(STEADY_STEPS))
+    after += controller.oom_count - ooms[-1]
+    settled_rate = len(tokens) / seconds
+    size = math.ceil(len(tokens) / counts[-1])
+    sweep = {m: _fixed_size_rate(loss_fn, model, tokens, m, STEADY_STEPS) for m in sorted({*SWEEP, size})}
+    fitting = {m: r for m, r in sweep.items() if r is not None}
+    best = max(fitting, key=lambda m: fitting[m]) if fitting else None
+    return {
+        "counts": counts,
+        "ooms_until_settled": to_settle,
+        "ooms_after_settled": after,
+        "gradient_relative_error": error,
+        "predictions": len(errors),
+        "median_relative_error": statistics.median(errors) if errors else math.nan,
+        "max_relative_error": max(errors) if errors else math.nan,
+        "under_predicted": under,
+        "settled_rows_per_s": settled_rate,
+        "sweep_rows_per_s": {m: r for m, r in sweep.items()},
+        "best_fixed_size": best,
+        "settled_over_best": settled_rate / fitting[best] if best is not None else math.nan,
+        "estimate": controller.memory.describe(),
+    }
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("cuda_oom: no CUDA device here, nothing to check")
@@ -64,7 +166,7 @@ def main() -> int:
     device = torch.device("cuda")
     config = DemoConfig(batch_size=64, seq_len=512, vocab_size=8192, dim=512, heads=8, layers=4)
     torch.manual_seed(0)
-    model = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len).to(device)
+    model = config.model().to(device)
     tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), device=device)
     batch = {"tokens": tokens}
 
@@ -86,8 +188,8 @@ def main() -> int:
     cap = resting + 2 * gradient_bytes + int(0.4 * (peak - resting - 2 * gradient_bytes))
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
 
-    controller = SplitController()
-    step = ElasticStep(model, controller=controller)
+    controller = SplitController(margin=None)  # today's search, no memory probe
+    step = ElasticStep(model, controller=controller, memory=None)
     before = torch.cuda.memory_allocated()
     step.backward(batch, loss_fn)
     torch.cuda.synchronize()
@@ -120,6 +222,7 @@ def main() -> int:
             times[name].append(_timed(fn))
     ratio = statistics.median(e / h for e, h in zip(times["elastic"], times["by hand"], strict=True))
     later_ooms = controller.oom_count - ooms
+    predicted = _predicted(model, batch, loss_fn, reference)
 
     checks = {
         "real CUDA OOMs caught": first_ooms >= 1,
@@ -127,6 +230,9 @@ def main() -> int:
         "no memory of a failed attempt left (< 1 MiB)": abs(leftover) < 2**20,
         "no OOM at the settled count": later_ooms == 0,
         "OOMs within ceil(log2 B) + 4": ooms <= math.ceil(math.log2(config.batch_size)) + 4,
+        "predicted: at most 1 OOM until settled": predicted["ooms_until_settled"] <= 1,
+        "predicted: no OOM after settling": predicted["ooms_after_settled"] == 0,
+        f"predicted: gradient within {RTOL:g} of the full batch's": predicted["gradient_relative_error"] <= RTOL,
     }
     gpu = torch.cuda.get_device_name(device)
     print(f"cuda_oom on {gpu}: memory cap {cap / 2**30:.2f} GiB, full-batch step {peak / 2**30:.2f} GiB")
@@ -139,6 +245,18 @@ def main() -> int:
         ["ms/step by hand / elastic", f"{1e3 * statistics.median(times['by hand']):.2f} / "
                                       f"{1e3 * statistics.median(times['elastic']):.2f}"],
         ["elastic / by hand", f"{ratio:.3f}"],
+        ["predicted: microbatches per step", " ".join(str(c) for c in predicted["counts"])],
+        ["predicted: OOMs until settled / after", f"{predicted['ooms_until_settled']} / "
+                                                  f"{predicted['ooms_after_settled']}"],
+        ["predicted: gradient relative error", f"{predicted['gradient_relative_error']:.2e}"],
+        ["predicted: peak over in use, relative error median / max",
+         f"{predicted['median_relative_error']:.3f} / {predicted['max_relative_error']:.3f} "
+         f"({predicted['predictions']} microbatches, {predicted['under_predicted']} under)"],
+        ["predicted: memory model", predicted["estimate"]],
+        ["predicted: settled rows/s / best fixed size's", f"{predicted['settled_rows_per_s']:.1f} / "
+         f"{predicted['sweep_rows_per_s'].get(predicted['best_fixed_size']) or math.nan:.1f} "
+         f"(size {predicted['best_fixed_size']})"],
+        ["predicted: settled / best fixed", f"{predicted['settled_over_best']:.3f}"],
     ]  # fmt: skip
     print(table(["what", "value"], rows))
     for name, ok in checks.items():
@@ -156,6 +274,7 @@ def main() -> int:
             "leftover_bytes": leftover,
             "steady_ooms": later_ooms,
             "ratio": ratio,
+            "predicted": predicted,
             "checks": checks,
         }
     )

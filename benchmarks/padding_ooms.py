@@ -16,6 +16,16 @@ OOMs in all, OOMs after the first 10 batches (the learning phase), microbatches 
 fewest that fit (oracle only: ``BatchLoad.count_within(CAPACITY)`` for each batch), and padded
 positions processed over the real tokens.
 
+A third device runs the demo's tiny transformer LM (positions up to 2048) under ``MemoryBudget``
+on its own stream, with the four policies of ``benchmarks/_policies.py`` side by side:
+``predicted`` (``SplitController(unit="tokens")`` and the budget as the step's memory probe),
+``search`` (the same without a margin: today's tokens search), ``halving`` (Composer) and ``x0.9``
+(Accelerate), the last two sizing microbatches in rows as they do. For each batch, the fewest
+microbatches whose tokens-balanced split fits is measured by running the splits. Reported: OOMs in
+all and after the first batch, and the microbatches run over the fewest, after the first batch
+(in all, and the largest ratio of one batch). The predictor's targets: no OOM after the first
+batch, microbatches within 1.10x of the fewest.
+
 Run: ``python benchmarks/padding_ooms.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1`` for shorter streams).
 """
 
@@ -29,9 +39,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _harness import QUICK, emit, table
+from _policies import POLICIES, fewest, make, peak_at
 from torch import nn
 
 import elastic_batches as eb
+from elastic_batches.demo import DemoConfig
 from elastic_batches.testing import MemoryBudget
 
 BATCH_SIZE = 32
@@ -157,6 +169,77 @@ def _run(
     }
 
 
+LM = DemoConfig(seq_len=2048, vocab_size=VOCAB, dim=32, heads=2, layers=1)
+LM_BATCHES = 12 if QUICK else 30
+
+
+def _lm_loss(model: nn.Module) -> Callable[[Any], torch.Tensor]:
+    def loss_fn(mb: dict[str, Any]) -> torch.Tensor:
+        logits = model(mb["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), ignore_index=-100)
+
+    return loss_fn
+
+
+def run_lm() -> list[list[object]]:
+    """The tiny LM's stream through every policy: OOMs, and microbatches over the fewest per batch."""
+    stream = make_stream(LM_BATCHES, seed=2, batch_size=BUDGET_BATCH_SIZE)
+    collate = eb.ElasticCollate(pad_values=PAD)
+    batches = [collate(samples) for samples in stream]
+    torch.manual_seed(0)
+    probe = LM.model()
+    ids = torch.randint(1, VOCAB, (1, 2048))
+    with MemoryBudget() as measure:
+        F.cross_entropy(probe(ids).flatten(0, 1), ids.flatten()).backward()
+    limit = 3 * measure.peak_bytes // 2  # room for the longest sample (2048) while gradients accumulate
+    best = []
+    for batch in batches:
+        peaks: dict[int, int] = {}
+
+        def peak(count: int, batch: eb.ElasticBatch = batch, peaks: dict[int, int] = peaks) -> int:
+            if count not in peaks:
+                peaks[count] = peak_at(probe, _lm_loss(probe), batch, count, unit="tokens")
+            return peaks[count]
+
+        best.append(fewest(peak, len(batch), limit))
+    rows_out = []
+    for policy in POLICIES:
+        torch.manual_seed(0)
+        model = LM.model()
+        runner = make(policy, model, _lm_loss(model), MemoryBudget(limit), unit="tokens")
+        runner.count_fn = count_tokens
+        ooms, counts = [], []
+        for batch in batches:
+            spent, count = runner.step(batch)
+            ooms.append(spent)
+            counts.append(count)
+        later = sum(counts[1:]) / sum(best[1:])
+        worst = max(c / b for c, b in zip(counts[1:], best[1:], strict=True))
+        record: dict[str, Any] = {
+            "benchmark": "padding_ooms",
+            "device": "tiny LM, budget",
+            "controller": policy,
+            "limit_bytes": limit,
+            "ooms": sum(ooms),
+            "ooms_after_first_batch": sum(ooms[1:]),
+            "microbatches_over_fewest_after_first": later,
+            "worst_batch_over_fewest": worst,
+            "microbatches": counts,
+            "fewest": best,
+        }
+        if policy == "predicted":
+            record["target"] = "ooms_after_first_batch == 0, microbatches_over_fewest_after_first <= 1.10"
+            record["met"] = sum(ooms[1:]) == 0 and later <= 1.10
+        emit(record)
+        rows_out.append([policy, sum(ooms), sum(ooms[1:]), later, worst])
+    print(
+        f"\ntiny transformer LM, {LM_BATCHES} batches of {BUDGET_BATCH_SIZE}, median length log-uniform in "
+        f"[16, 512], budget {limit / 2**20:.2f} MiB; fewest per batch: {best}"
+    )
+    print(table(["policy", "OOMs", "OOMs after batch 1", "mbs / fewest after 1", "worst batch"], rows_out))
+    return rows_out
+
+
 def main() -> None:
     rows = []
     oracle_stream = make_stream(ORACLE_BATCHES, seed=0)
@@ -189,6 +272,7 @@ def main() -> None:
             rows,
         )
     )
+    run_lm()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from torch import nn
 
 from elastic_batches.demo import DemoConfig
 from elastic_batches.rollback import Rollback
-from elastic_batches.testing.models import TinyLM, lm_loss
+from elastic_batches.testing.models import lm_loss
 
 ROUNDS = 7 if QUICK else 21
 CALLS = 20 if QUICK else 100  # rollback calls per round
@@ -67,7 +67,7 @@ def _cnn_case() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
 def _lm_case() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     config = DemoConfig()
     torch.manual_seed(0)
-    model = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len)
+    model = config.model()
     model.register_buffer("causal_mask", torch.ones(2048, 2048).tril())  # a cache that never changes
     tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1))
     return model, lambda: lm_loss(model, {"tokens": tokens})

@@ -21,6 +21,18 @@ first successful step at the settled size (0 is required). The library's targets
 A second table runs sequences of batch sizes: a small batch first (a smoke test, a last partial
 batch), then larger ones that fit whole; a success must not cap the later batches.
 
+A third runs the demo's tiny transformer LM under ``testing.MemoryBudget`` (real tensors, real
+``torch.OutOfMemoryError``), batches of 16, 100, 256 and 1000 rows, and a sweep of limits: for each
+of a set of counts ``k``, the limit is the peak of a step at ``k`` balanced microbatches (the
+count just fits: the hardest case for a margin) and, from ``k = 2``, the middle between that and
+the peak at ``k - 1``. Four policies side by side (``benchmarks/_policies.py``): ``predicted``
+(the memory model, the budget as the step's probe), ``search`` (the same controller without a
+margin: today's search), ``halving`` (Composer) and ``x0.9`` (Accelerate). Per case: the fewest
+microbatches whose balanced split fits (measured by running the splits), the OOMs spent until the
+count stopped changing, the settled count, and the OOMs after it. The predictor's targets: 0 OOMs
+until settled in at least 90% of the cases and at most 1 in every case; settled at most
+``max(fewest + 1, 1.10 * fewest)`` microbatches, and no OOM after.
+
 Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact).
 """
 
@@ -29,9 +41,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
 from _harness import QUICK, emit, table
+from _policies import POLICIES as LM_POLICIES
+from _policies import fewest as fewest_count
+from _policies import make, peak_at
 
-from elastic_batches import ElasticOOMError, SplitController
+from elastic_batches import ElasticBatch, ElasticOOMError, SplitController
+from elastic_batches.demo import DemoConfig
+from elastic_batches.testing import MemoryBudget
+from elastic_batches.testing.models import lm_loss
 
 STEPS = 30 if QUICK else 60
 
@@ -263,5 +282,151 @@ def main() -> None:
     print(table(headers, sequences()))
 
 
+LM = DemoConfig(seq_len=16, vocab_size=48, dim=32, heads=2, layers=1)
+LM_BATCHES = (16, 100, 256, 1000)
+LM_COUNTS = (1, 2, 3, 6, 16, 40) if QUICK else (1, 2, 3, 4, 6, 10, 16, 40, 100)
+LM_STEPS = 5 if QUICK else 6
+
+
+def _lm(rows: int) -> tuple[torch.nn.Module, ElasticBatch]:
+    torch.manual_seed(0)
+    model = LM.model()
+    tokens = torch.randint(LM.vocab_size, (rows, LM.seq_len + 1), generator=torch.Generator().manual_seed(rows))
+    return model, ElasticBatch.wrap({"tokens": tokens})
+
+
+def _peaks(rows: int) -> Callable[[int], int]:
+    """Peak bytes of a step at a count, measured once per count."""
+    model, batch = _lm(rows)
+    peaks: dict[int, int] = {}
+
+    def peak(count: int) -> int:
+        if count not in peaks:
+            peaks[count] = peak_at(model, lambda mb: lm_loss(model, mb), batch, count)
+        return peaks[count]
+
+    return peak
+
+
+def lm_cases() -> list[tuple[int, int, int, str]]:
+    """``(rows, limit, fewest, kind)`` for every batch size and limit of the sweep.
+
+    ``mid``: midway between the peak at ``k`` microbatches and the next peak more than 1% larger
+    (at fewer microbatches; for ``k = 1``, 5% over the whole batch's peak), so that ``k`` is the fewest that
+    fits, as a device's limit falls. ``edge``: the peak at ``k`` itself, to the byte.
+    """
+    cases = []
+    for rows in LM_BATCHES:
+        peak = _peaks(rows)
+        limits: dict[int, str] = {}
+        for k in (k for k in LM_COUNTS if k <= rows):
+            larger = next((peak(j) for j in range(k - 1, 0, -1) if peak(j) > 1.01 * peak(k)), None)
+            if larger is None:
+                limits.setdefault(peak(k) + peak(k) // 20, "mid")
+            else:
+                limits.setdefault((peak(k) + larger) // 2, "mid")
+            if not QUICK:
+                limits.setdefault(peak(k), "edge")
+        cases.extend((rows, limit, fewest_count(peak, rows, limit), kind) for limit, kind in sorted(limits.items()))
+    return cases
+
+
+def lm_run(policy: str, rows: int, limit: int) -> tuple[int, int, int, list[int]]:
+    """OOMs until the count stopped changing, the settled count, OOMs after it, and each step's count."""
+    model, batch = _lm(rows)
+    runner = make(policy, model, lambda mb: lm_loss(model, mb), MemoryBudget(limit))
+    ooms, counts = [], []
+    for _ in range(LM_STEPS):
+        spent, count = runner.step(batch)
+        ooms.append(spent)
+        counts.append(count)
+    settled = next(i for i in range(len(counts)) if len(set(counts[i:])) == 1)
+    return sum(ooms[: settled + 1]), counts[-1], sum(ooms[settled + 1 :]), counts
+
+
+def _summary_row(name: str, results: list[tuple[int, float, int, bool]]) -> list[object]:
+    return [
+        name,
+        len(results),
+        f"{sum(r[0] == 0 for r in results) / len(results):.0%}",
+        max(r[0] for r in results),
+        sum(r[0] for r in results) / len(results),
+        max(r[1] for r in results),
+        sum(r[1] for r in results) / len(results),
+        sum(not r[3] for r in results),
+        sum(r[2] for r in results),
+    ]
+
+
+def lm_main() -> None:
+    cases = lm_cases()
+    rows_out = []
+    summary: dict[tuple[str, str], list[tuple[int, float, int, bool]]] = {}
+    for rows, limit, fewest, kind in cases:
+        row: list[object] = [rows, kind, f"{limit / 2**20:.3f}", fewest]
+        for policy in LM_POLICIES:
+            to_settle, settled, after, counts = lm_run(policy, rows, limit)
+            within = settled <= max(fewest + 1, 1.1 * fewest)
+            summary.setdefault((policy, kind), []).append((to_settle, settled / fewest, after, within))
+            row += [to_settle, settled, after]
+            record: dict[str, object] = {
+                "benchmark": "search_quality_lm",
+                "policy": policy,
+                "batch": rows,
+                "limit": kind,
+                "limit_bytes": limit,
+                "fewest": fewest,
+                "ooms_until_settled": to_settle,
+                "settled_microbatches": settled,
+                "ooms_after_settled": after,
+                "microbatches_per_step": counts,
+            }
+            if policy == "predicted" and kind == "mid":
+                record["target"] = "ooms_until_settled <= 1, settled <= max(fewest + 1, 1.1 fewest), no OOM after"
+                record["met"] = to_settle <= 1 and after == 0 and within
+            emit(record)
+        rows_out.append(row)
+    headers = ["B", "limit", "MiB", "fewest"]
+    for policy in LM_POLICIES:
+        headers += [f"{policy} OOMs", f"{policy} mbs", f"{policy} OOMs after"]
+    print(f"\ntiny transformer LM under MemoryBudget: {len(cases)} (batch, limit) cases, {LM_STEPS} steps each")
+    print(table(headers, rows_out))
+    lines = [_summary_row(f"{policy}, {kind}", results) for (policy, kind), results in sorted(summary.items())]
+    mid = summary[("predicted", "mid")]
+    zero = sum(r[0] == 0 for r in mid) / len(mid)
+    emit(
+        {
+            "benchmark": "search_quality_lm_summary",
+            "policy": "predicted",
+            "cases": len(mid),
+            "share_settled_without_oom": zero,
+            "target": "share_settled_without_oom >= 0.9",
+            "met": zero >= 0.9,
+        }
+    )
+    print()
+    print(
+        table(
+            [
+                "policy, limits",
+                "cases",
+                "0 OOMs",
+                "max OOMs",
+                "mean OOMs",
+                "max mbs / fewest",
+                "mean mbs / fewest",
+                "over max(fewest + 1, 1.1 fewest)",
+                "OOMs after settled",
+            ],
+            lines,
+        )
+    )
+    print(
+        "\nmid: limits midway between two splits' peaks (the targets); edge: a split's peak to the byte, where any "
+        "margin costs a row of every microbatch"
+    )
+
+
 if __name__ == "__main__":
     main()
+    lm_main()

@@ -41,7 +41,7 @@ from torch import nn
 
 from elastic_batches import ElasticBatch, ElasticStep, SplitController
 from elastic_batches.demo import DemoConfig
-from elastic_batches.testing.models import TinyLM, lm_loss
+from elastic_batches.testing.models import lm_loss
 
 TARGET = 1.03
 SPLIT = 4
@@ -52,7 +52,7 @@ STEPS_PER_ROUND = 5 if QUICK else 10
 def _lm_case() -> tuple[nn.Module, dict[str, torch.Tensor], Callable[[nn.Module, Any], torch.Tensor]]:
     config = DemoConfig()
     torch.manual_seed(0)
-    model = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len)
+    model = config.model()
     tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1))
     return model, {"tokens": tokens}, lm_loss
 

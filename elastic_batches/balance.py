@@ -96,6 +96,16 @@ class BatchLoad:
             return f"BatchLoad(rows={self.rows})"
         return f"BatchLoad(rows={self.rows}, longest={max(self.lengths)}, tokens={self._tokens[-1]})"
 
+    def tail(self, start: int) -> BatchLoad:
+        """The load of rows ``start:`` (``start`` below ``rows``).
+
+        Example:
+            >>> from elastic_batches import BatchLoad
+            >>> BatchLoad(4, [9, 5, 3, 1]).tail(1).lengths
+            (5, 3, 1)
+        """
+        return BatchLoad(self.rows - start, None if self.lengths is None else self.lengths[start:])
+
     def cost(self, start: int, stop: int) -> int:
         """The cost of rows ``start:stop`` as one piece: rows, or rows times the longest length."""
         if self.lengths is None:

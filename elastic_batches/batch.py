@@ -26,6 +26,7 @@ from elastic_batches.structures import (
     leading_rows,
     map_constants,
     rebuild,
+    slice_fields,
     split_fields,
 )
 
@@ -432,3 +433,38 @@ class ElasticBatch:
         # One padded piece at a time: each is a copy, so only the microbatch running holds one.
         for index, (size, stop) in enumerate(zip(sizes, itertools.accumulate(sizes), strict=True)):
             yield Microbatch(self.padding.piece(fields, stop - size, stop), size / rows, index, count, spec)
+
+    def microbatch(self, start: int, stop: int, *, index: int = 0, count: int = 1) -> Microbatch:
+        """Rows ``start:stop`` as one microbatch, weighted by its rows, as :meth:`microbatches` cuts each piece.
+
+        ``ElasticStep`` cuts an attempt that measures memory with it, one piece at a time, each at
+        the size predicted from the pieces before it (the pieces of one batch may then differ in
+        size).
+
+        Args:
+            start: The first row.
+            stop: One past the last row.
+            index: The microbatch's position in its split.
+            count: The number of microbatches in its split.
+
+        Raises:
+            ValueError: ``start:stop`` is empty or not within the batch's rows.
+
+        Example:
+            >>> import torch
+            >>> from elastic_batches import ElasticBatch
+            >>> mb = ElasticBatch.wrap({"x": torch.arange(10)}).microbatch(0, 2, count=4)
+            >>> mb.unwrap()["x"].tolist(), mb.weight
+            ([0, 1], 0.2)
+        """
+        rows = len(self)
+        if not 0 <= start < stop <= rows:
+            raise ValueError(f"ElasticBatch.microbatch: rows {start}:{stop} are not a non-empty part of {rows} rows")
+        fields = self.fields
+        if self.padding is not None:
+            piece = self.padding.piece(fields, start, stop)
+        elif start == 0 and stop == rows:
+            return Microbatch(fields, 1.0, index, count, self.spec, self._source)
+        else:
+            piece = slice_fields(fields, start, stop)
+        return Microbatch(piece, (stop - start) / rows, index, count, self.spec)

@@ -21,6 +21,14 @@ With ``unit="tokens"`` a size is a microbatch's *padded positions* (rows times i
 sample) instead of its rows, and counts come from each batch's lengths (a :class:`BatchLoad`):
 a batch of longer sequences gets more microbatches before it runs out of memory, and the
 microbatches of one batch carry similar token counts.
+
+Predicted (``margin``, on by default, and a step with a memory probe): the controller's
+:class:`~elastic_batches.memory_model.MemoryModel` is fitted from the peaks measured around each
+microbatch, and a plan keeps the largest microbatch's predicted peak under the capacity minus the
+margin: no OOM is needed to find the count, nor to follow memory that shrinks or grows back. A
+batch the model knows nothing about is measured first: its first microbatch is small, and the rest
+is cut at the sizes it predicts. An OOM that still happens refits the model, widens the margin and
+hands the retry of that batch to the search above (the more cautious of the two plans).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from elastic_batches._state import check_state_dict
 from elastic_batches.balance import BatchLoad, rows_within
+from elastic_batches.memory import MemoryReading
+from elastic_batches.memory_model import MemoryModel, check_margin
 from elastic_batches.oom import ElasticOOMError
 
 if TYPE_CHECKING:
@@ -41,8 +51,8 @@ __all__ = ["SettledSplit", "SplitController"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
-_STATE_KEYS = frozenset(
+_STATE_VERSION = 2
+_STATE_KEYS_V1 = frozenset(
     {
         "version",
         "start_split_count",
@@ -59,6 +69,7 @@ _STATE_KEYS = frozenset(
         "discarded_microbatches",
     }
 )
+_STATE_KEYS = _STATE_KEYS_V1 | {"memory", "predicted", "fallback"}  # version 2: the memory model
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -146,8 +157,16 @@ class SplitController:
             positions (rows times its longest sample), for batches from a loader with
             ``pad_values``. With ``"tokens"``, pass each batch's ``batch.load("tokens")`` where a
             row count is asked for.
+        margin: Predict microbatches from measured memory (where the step has a memory probe:
+            CUDA, XPU, or ``ElasticStep(memory=MemoryBudget)``), keeping this fraction of the
+            capacity free (0.05: 5%; at most 0.5). Until the model was wrong on this device it
+            costs at most a twentieth of the microbatch predicted without it; after an OOM the
+            model did not predict, it grows and applies whole. ``None``: no prediction, the
+            OOM-driven search alone.
 
     Attributes:
+        memory: The :class:`~elastic_batches.memory_model.MemoryModel` the step feeds (``None``
+            with ``margin=None``).
         oom_count: OOMs reported, the final one of a failed step included.
         retry_count: Batches retried after an OOM.
         discarded_microbatches: Microbatches whose forward/backward work was thrown away because
@@ -182,6 +201,7 @@ class SplitController:
         max_split_count: int | None = None,
         grow_after: int | None = None,
         unit: str = "rows",
+        margin: float | None = 0.05,
     ) -> None:
         if unit not in ("rows", "tokens"):
             raise ValueError(f"SplitController: unit must be 'rows' or 'tokens', got {unit!r}")
@@ -189,6 +209,8 @@ class SplitController:
         _positive_int("min_microbatch_size", min_microbatch_size)
         _positive_int("max_split_count", max_split_count, allow_none=True)
         _positive_int("grow_after", grow_after, allow_none=True)
+        if margin is not None:
+            check_margin("SplitController", margin)
         if max_split_count is not None and split_count > max_split_count:
             raise ValueError(
                 f"SplitController: split_count={split_count} exceeds max_split_count={max_split_count}; "
@@ -201,6 +223,9 @@ class SplitController:
         self._start_split_count = split_count
         self._fits = 0  # largest microbatch size (rows) that completed a step; 0: none yet
         self._fails: int | None = None  # smallest microbatch size that ran out of memory
+        self.memory = None if margin is None else MemoryModel(margin, unit=unit)
+        self._predicted: int | None = None  # the size the ranks' models agreed fits, at the last vote
+        self._fallback = False  # an OOM since the last success: the search plans the retry too
         self._learn(0, None)
         self._last_rows: BatchLoad | None = None
         self._steps_since_oom = 0
@@ -212,9 +237,10 @@ class SplitController:
         self.discarded_microbatches = 0
 
     def __repr__(self) -> str:
+        memory = "" if self.memory is None else f", memory={self.memory.describe()!r}"
         return (
             f"SplitController(split_count={self.split_count}, microbatch_size={self.microbatch_size}, "
-            f"fits={self._fits}, fails={self._fails}, oom_count={self.oom_count})"
+            f"fits={self._fits}, fails={self._fails}, oom_count={self.oom_count}{memory})"
         )
 
     # -- limits -------------------------------------------------------------------------------
@@ -269,11 +295,13 @@ class SplitController:
 
     @property
     def microbatch_size(self) -> int | None:
-        """The largest microbatch a settled count keeps to (rows, or tokens); ``None`` while no OOM is known.
+        """The largest microbatch a settled count keeps to (rows, or tokens); ``None`` while nothing limits it.
 
-        Only a failure limits a plan: it is the largest size that fitted below the smallest
-        failure, or half that failure while none fitted. A success alone limits nothing (a
-        larger batch runs at the count asked, and the controller learns from what happens).
+        Predicting, it is the size the memory model predicts fits (the smallest over ranks, at
+        the last vote). Otherwise only a failure limits a plan: it is the largest size that
+        fitted below the smallest failure, or half that failure while none fitted. A success
+        alone limits nothing (a larger batch runs at the count asked, and the controller learns
+        from what happens).
         """
         return self._settled.capacity
 
@@ -310,24 +338,150 @@ class SplitController:
             return self._settled.count_for(load)
         return self._settled.count_for(self._load(load))
 
-    def plan(self, load: int | BatchLoad, *, tag: int | None = None) -> int:
+    def plan(self, load: int | BatchLoad, *, tag: int | None = None, memory: MemoryReading | None = None) -> int:
         """The count to try next on a batch; may probe a larger microbatch. The one place a count is decided.
 
-        The settled count keeps to :attr:`microbatch_size`. While the search refines (a size
-        fitted, a larger one failed, and they are more than 10% apart), it probes the count
-        whose largest microbatch lies between them; with ``grow_after``, a growth probe is one
-        microbatch fewer.
+        Predicting (a fitted memory model), the count is the fewest microbatches whose largest
+        one's predicted peak keeps the margin free: the size agreed at the last vote, or the one
+        ``memory`` allows now when that is smaller. After an OOM, until the next success, it is
+        the more cautious of that and the search's count. Otherwise the settled count keeps to
+        :attr:`microbatch_size`: while the search refines (a size fitted, a larger one failed,
+        and they are more than 10% apart), it probes the count whose largest microbatch lies
+        between them; with ``grow_after``, a growth probe is one microbatch fewer.
 
         Args:
             load: The batch's rows on this process (``unit="tokens"``: its ``BatchLoad``).
             tag: The count the batch was tagged with (``batch.split_count``). A tag above the
                 settled count (set by hand, or from before the controller learned that a larger
                 microbatch fits) is obeyed; one at or below it does not stop a probe.
+            memory: The memory of this process now (from the step's probe): a plan predicted
+                from it keeps up with memory that shrank since the last vote.
 
         Returns:
             A count between 1 and the batch's rows, within the limits.
         """
         load = self._load(load)  # asking changes nothing: only record_success / record_oom learn
+        predicted = self._prediction(memory)
+        if predicted is None:
+            return self._search_plan(load, tag)
+        count = load.count_within(predicted)
+        if self._fallback:
+            count = max(count, self._search_plan(load, None))
+        if tag is not None and tag > self._settled.unclamped(load):
+            count = max(count, tag)
+        return self._settled.clamp(load.rows, count)
+
+    def _prediction(self, memory: MemoryReading | None) -> int | None:
+        """The largest microbatch the memory model predicts fits: agreed at the last vote, or less now; ``None``."""
+        model = self.memory
+        if model is None or not model.ready:
+            return None
+        sizes = [] if self._predicted is None else [self._predicted]
+        if memory is not None and memory.capacity is not None:
+            sizes.append(self._size(memory))
+        return max(1, min(sizes)) if sizes else None
+
+    def _size(self, memory: MemoryReading, *, started: bool = False) -> int:
+        """The largest microbatch the model predicts fits in ``memory`` with the margin, in the controller's unit.
+
+        Until the model was wrong on this device once, the margin costs at most a twentieth of
+        the size it predicts without one (``size - size // 20``, so none below 20 rows or tokens),
+        which keeps any batch within ``max(fewest + 1, 1.1 * fewest)`` microbatches: rows are
+        coarse (with pieces of 3 rows, one row less is a third more microbatches), and a device
+        the model was never wrong on needs no more. After an OOM it
+        did not predict, the whole (widened) margin applies. A size, not a count: every rank
+        votes it, and any batch's count follows from it (0: nothing fits).
+        """
+        model = self.memory
+        assert model is not None
+        size = model.largest(memory, started=started)
+        if not model.wrong:
+            exact = model.largest(memory, started=started, margin=0.0)
+            size = max(size, exact - exact // 20)
+        return size
+
+    def forecast(self, memory: MemoryReading) -> int:
+        """The largest microbatch the memory model predicts fits an attempt starting with ``memory``.
+
+        What :class:`ElasticStep` votes after each attempt (every rank then plans from the
+        smallest); 0 while the model cannot plan a whole attempt.
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> from elastic_batches.memory import MemoryReading
+            >>> SplitController().forecast(MemoryReading(in_use=0, capacity=1 << 30))  # nothing measured yet
+            0
+        """
+        if self.memory is None or not self.predicting() or memory.capacity is None:
+            return 0
+        return max(1, self._size(memory))
+
+    def predicting(self) -> bool:
+        """Whether plans are predicted from the memory model (fitted, and enabled).
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> SplitController().predicting()  # nothing measured yet
+            False
+        """
+        return self.memory is not None and self.memory.ready
+
+    def measurement(self, load: int | BatchLoad, *, smallest: int = 1) -> int:
+        """Rows of a first, measuring microbatch for a batch the memory model knows nothing about; 0: none.
+
+        The step then cuts the rest of the batch a microbatch at a time, each at the size
+        predicted from what was measured so far (:meth:`plan_rest`).
+
+        Args:
+            load: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
+            smallest: The fewest rows a microbatch may have for the step (2 through a
+                training-mode BatchNorm); ``min_microbatch_size`` applies too.
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> SplitController().measurement(256), SplitController(margin=None).measurement(256)
+            (1, 0)
+        """
+        model = self.memory
+        load = self._load(load)
+        lead = max(self._min_microbatch_size, smallest)
+        if model is None or not model.enabled or model.ready or load.rows <= lead:
+            return 0
+        if self._max_split_count is not None and self._max_split_count < 2:
+            return 0
+        logger.info(
+            "measuring memory on a batch of %d rows: a first microbatch of %d row%s, the rest cut at the sizes "
+            "it predicts (memory model: %s)",
+            load.rows,
+            lead,
+            "s" if lead != 1 else "",
+            model.describe(),
+        )
+        return lead
+
+    def plan_rest(self, load: BatchLoad, memory: MemoryReading, done: int) -> int:
+        """While measuring: the count for the rows left of a batch (``load``), ``done`` microbatches run.
+
+        The largest microbatch predicted to fit in what ``memory`` leaves free (the attempt's
+        retained memory is in use already), within the limits.
+
+        Example:
+            >>> from elastic_batches import BatchLoad, SplitController
+            >>> from elastic_batches.memory import MemoryReading
+            >>> controller = SplitController()
+            >>> model = controller.memory  # a first microbatch of 1 row, then one of 8 rows took 1800 bytes
+            >>> model.observe(1, 1100, first=True); model.observe_retained(500)
+            >>> model.observe(8, 1800, first=False)  # one size: 225 bytes per row, through the origin
+            >>> controller.plan_rest(BatchLoad(95), MemoryReading(in_use=500, capacity=5000), done=1)  # 19 rows fit
+            5
+        """
+        count = load.count_within(max(1, self._size(memory, started=True)))
+        if self._max_split_count is not None:
+            count = min(count, max(1, self._max_split_count - done))
+        return max(1, min(count, load.rows, max(1, load.rows // self._min_microbatch_size)))
+
+    def _search_plan(self, load: BatchLoad, tag: int | None) -> int:
+        """The OOM-driven search's count (what :meth:`plan` gives without a memory model)."""
         settled = self._settled.unclamped(load)
         if tag is not None and tag > settled:
             return self._settled.clamp(load.rows, tag)
@@ -349,6 +503,8 @@ class SplitController:
 
     def _capacity(self) -> int | None:
         """What :attr:`microbatch_size` says, worked out from what the controller knows now."""
+        if self._predicted is not None and not self._fallback and self.predicting():
+            return self._predicted
         if self._fails is None:
             return None  # a success is a lower bound, never a ceiling
         if self._fits:
@@ -364,15 +520,25 @@ class SplitController:
         unit = "rows" if self.unit == "rows" else "tokens"
         return f"{count} microbatch{'es' if count != 1 else ''} of at most {load.size_at(count)} {unit}"
 
+    def _model_note(self) -> str:
+        """What an INFO line adds while a memory model has measured something: its estimate."""
+        model = self.memory
+        if model is None or not model.ready:
+            return ""
+        predicted = "" if self._predicted is None else f"predicted to fit {self._predicted} {self.unit}, "
+        return f" ({predicted}memory model: {model.describe()})"
+
     # -- what happened ------------------------------------------------------------------------
 
-    def record_success(self, size: int, load: int | BatchLoad) -> None:
+    def record_success(self, size: int, load: int | BatchLoad, capacity: int | None = None) -> None:
         """Report a step whose largest microbatch had ``size`` rows (all ranks: the smallest of them).
 
         Args:
             size: Rows of the largest microbatch of the step that completed (``unit="tokens"``:
                 its padded positions).
             load: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
+            capacity: The largest microbatch the ranks' memory models predict fits (the smallest
+                over ranks, from the vote); ``None`` or 0: no prediction.
         """
         load = self._load(load)
         logged = logger.isEnabledFor(logging.INFO)  # the count before and after is only for the log line
@@ -390,23 +556,27 @@ class SplitController:
         self._tried.clear()
         self._grow_pending = False
         self._steps_since_oom += 1
-        if self._grow_wait is not None and self._steps_since_oom >= self._grow_wait and self.count_for(load) > 1:
+        self._predicted, self._fallback = capacity or None, False
+        self._resettle()
+        grow_wait = None if self.predicting() else self._grow_wait  # predicting, memory that grows back is seen
+        if grow_wait is not None and self._steps_since_oom >= grow_wait and self.count_for(load) > 1:
             self._grow_pending = True
             self._steps_since_oom = 0
         after = self.split_count if logged else 0
         if after != before:
             unit = "rows" if self.unit == "rows" else "tokens"
             logger.info(
-                "microbatches of %d %s fit on a batch of %d rows: split count %d -> %d, %s",
+                "microbatches of %d %s fit on a batch of %d rows: split count %d -> %d, %s%s",
                 size,
                 unit,
                 load.rows,
                 before,
                 after,
                 self._describe(after, load),
+                self._model_note(),
             )
 
-    def record_oom(self, size: int, load: int | BatchLoad, discarded: int = 0) -> None:
+    def record_oom(self, size: int, load: int | BatchLoad, discarded: int = 0, capacity: int | None = None) -> None:
         """Report an OOM on a step whose largest microbatch had ``size`` rows, and learn from it.
 
         Args:
@@ -415,6 +585,8 @@ class SplitController:
                 padded positions).
             load: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
             discarded: Microbatches of the attempt whose work was thrown away.
+            capacity: As for :meth:`record_success`: what the ranks' memory models predict fits,
+                refitted with this OOM.
 
         Raises:
             ElasticOOMError: no smaller microbatch is allowed (size 1, ``min_microbatch_size``,
@@ -446,19 +618,22 @@ class SplitController:
             )
         fails = size if self._fails is None else min(self._fails, size)
         fits = 0 if self._fits >= size else self._fits  # an OOM at a size that fitted: memory shrank
+        self._predicted = capacity or None
+        self._fallback = self.predicting()  # the retry: the more cautious of the model's plan and the search's
         self._learn(fits, fails)
         self.retry_count += 1
         self._last_rows = load
         after = self.plan(load)
         probe = f" (a probe; settled at {settled})" if count != settled else ""
         logger.info(
-            "OOM at %s on a batch of %d rows%s: split count %d -> %d, %s",
+            "OOM at %s on a batch of %d rows%s: split count %d -> %d, %s%s",
             self._describe(count, load),
             rows,
             probe,
             count,
             after,
             self._describe(after, load),
+            self._model_note(),
         )
 
     # -- state --------------------------------------------------------------------------------
@@ -508,17 +683,31 @@ class SplitController:
             "oom_count": self.oom_count,
             "retry_count": self.retry_count,
             "discarded_microbatches": self.discarded_microbatches,
+            "memory": None if self.memory is None else self.memory.state_dict(),
+            "predicted": self._predicted,
+            "fallback": self._fallback,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned: every field is checked before any is applied.
 
+        A state of version 1 (written before the memory model existed) loads too: the search's
+        bounds and counters are restored, and the memory model starts with nothing measured
+        (the first batch is measured again). A controller with ``margin=None`` ignores the
+        memory model of a state; one with a margin keeps the larger of its own and the state's.
+
         Raises:
             ValueError: keys are missing or unexpected (both are named), the version is not one
-                this code writes, or a field has the wrong type or range (named); the controller is
+                this code reads, or a field has the wrong type or range (named); the controller is
                 then unchanged.
         """
-        check_state_dict("SplitController", state, _STATE_KEYS, _STATE_VERSION)
+        version = state.get("version")
+        check_state_dict(
+            "SplitController",
+            state,
+            _STATE_KEYS_V1 if version == 1 else _STATE_KEYS,
+            _STATE_VERSION if version != 1 else 1,
+        )
         if state["unit"] != self.unit:
             raise ValueError(
                 f"SplitController.load_state_dict: the state was learned with unit={state['unit']!r}, this "
@@ -550,7 +739,24 @@ class SplitController:
                 raise _state_error("last_lengths", f"one length per row of last_rows ({err})", lengths) from err
         elif state["last_lengths"] is not None:
             raise _state_error("last_lengths", "None when last_rows is None", state["last_lengths"])
+        memory: MemoryModel | None = None
+        if self.memory is not None:
+            memory = MemoryModel(self.memory.base_margin, unit=self.unit)
+            if version != 1 and state["memory"] is not None:
+                if not isinstance(state["memory"], Mapping):
+                    raise _state_error("memory", "None or a dict from MemoryModel.state_dict()", state["memory"])
+                try:
+                    memory.load_state_dict(state["memory"])
+                except ValueError as err:
+                    raise ValueError(f"SplitController.load_state_dict: state['memory']: {err}") from err
+        if version != 1:
+            _state_int(state, "predicted", low=1, allow_none=True)
+            if not isinstance(state["fallback"], bool):
+                raise _state_error("fallback", "a bool", state["fallback"])
         self._start_split_count = state["start_split_count"]
+        self.memory = memory
+        self._predicted = None if version == 1 or memory is None else state["predicted"]
+        self._fallback = False if version == 1 or memory is None else state["fallback"]
         self._learn(state["fits"], state["fails"])
         self._last_rows = last
         self._steps_since_oom = state["steps_since_oom"]

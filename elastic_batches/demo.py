@@ -104,6 +104,16 @@ class DemoConfig:
         if not 0 < self.memory_fraction:
             raise ValueError(f"DemoConfig: memory_fraction must be > 0, got {self.memory_fraction!r}")
 
+    def model(self) -> TinyLM:
+        """A new demo language model of these sizes (initialized from torch's current seed).
+
+        Example:
+            >>> from elastic_batches.demo import DemoConfig
+            >>> DemoConfig(layers=1).model().pos.shape
+            torch.Size([32, 64])
+        """
+        return TinyLM(self.vocab_size, self.dim, self.heads, self.layers, self.seq_len)
+
 
 @dataclasses.dataclass(frozen=True)
 class DemoResult:
@@ -290,7 +300,7 @@ def _run(config: DemoConfig, out: TextIO | None) -> DemoResult:
         tqdm.monitor_interval = 0  # no monitor thread: its stack would count against the address-space limit
     torch.manual_seed(config.seed)
     dataset = MarkovLanguage(config.batch_size * config.steps, config.seq_len, config.vocab_size, config.seed)
-    initial = TinyLM(config.vocab_size, config.dim, config.heads, config.layers, config.seq_len)
+    initial = config.model()
 
     full_batch_bytes = _measure_step(initial, dataset, config, config.batch_size)
     one_row_bytes = _measure_step(initial, dataset, config, 1)

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from elastic_batches._measuring import Meter, measured_pieces
 from elastic_batches._warnings import warn_on_rank_zero, warn_once
 from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES, GradientSync, Verdict, gradient_sync_for
+from elastic_batches.memory import MemoryProbe, device_probe
 from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
@@ -37,6 +39,9 @@ class _Attempt:
     status: Status = Status.OK
     result: Any = None  # backward: the weighted loss; evaluate: the outputs
     error: BaseException | None = None
+    meter: Meter | None = None  # the memory measured around its microbatches
+    lead: int = 0  # rows of a first, measuring microbatch (0: cut as planned)
+    rescale: float = 1.0  # measuring with a count_fn whose counts did not add up: the gradients' correction
 
 
 def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
@@ -140,6 +145,12 @@ class ElasticStep:
             configured (FSDP2's own memory), ``"auto"`` (default) once an attempt while the
             unsharded model leaves room, per module otherwise (see
             ``elastic_batches.distributed.gradient_sync_for``).
+        memory: The memory probe ``backward`` measures each microbatch with, for the controller's
+            memory model (its ``margin``): ``"auto"`` (default) takes the device's, CUDA or XPU
+            (of ``device``, else of the model's parameters), none on a CPU or MPS; a
+            :class:`~elastic_batches.memory.MemoryProbe` (an
+            ``elastic_batches.testing.MemoryBudget`` on a CPU); ``None``: measure nothing, the
+            OOM-driven search alone. ``evaluate`` never measures.
 
     Example:
         >>> import torch
@@ -162,9 +173,15 @@ class ElasticStep:
         device: torch.device | str | None = None,
         backward_fn: Callable[[torch.Tensor], Any] | None = None,
         gather: str = "auto",
+        memory: MemoryProbe | str | None = "auto",
     ) -> None:
         if gather not in GATHER_MODES:
             raise ValueError(f"ElasticStep: gather must be one of {list(GATHER_MODES)}, got {gather!r}")
+        if memory is not None and memory != "auto" and not isinstance(memory, MemoryProbe):
+            raise TypeError(
+                f"ElasticStep: memory must be 'auto', None or an elastic_batches.memory.MemoryProbe (on a CPU: an "
+                f"elastic_batches.testing.MemoryBudget), got {memory!r}"
+            )
         if grad_scaler is not None and backward_fn is not None:
             raise ValueError("ElasticStep: pass grad_scaler or backward_fn, not both (backward_fn does the scaling)")
         if not isinstance(model, nn.Module):
@@ -177,6 +194,8 @@ class ElasticStep:
         self.device = None if device is None else torch.device(device)
         self.backward_fn = backward_fn
         self.gather = gather
+        self.memory = memory
+        self._probe: MemoryProbe | None = None  # resolved at the first backward
         self._sync: GradientSync | None = None
         self._rollback = Rollback(model)
         self._batchnorms: list[tuple[str, nn.Module]] | None = None  # listed when a batch is first split
@@ -272,6 +291,9 @@ class ElasticStep:
 
         def run(attempt: _Attempt, count: int) -> None:
             attempt.result = self._backward_microbatches(attempt, batch, count, loss_fn, count_fn, unwrap, leaves)
+            if attempt.rescale != 1.0:  # the weights of a measured attempt divided by another total than the real
+                torch._foreach_mul_([t.grad for t in tensors if t.grad is not None], attempt.rescale)
+                attempt.result = attempt.result * attempt.rescale
             self.sync.prepare(params)  # what the gradient reduction allocates, allocated before the vote
 
         def forget() -> None:
@@ -377,25 +399,37 @@ class ElasticStep:
         self._check_tag(batch)
         load = batch.load(self.controller.unit)
         tag = batch.split_count
+        probe = self._memory_probe() if where == "backward" else None
         saved = False
         try:
             while True:
                 self._check_gather(where)
-                count = self.sync.agree_count(self.controller.plan(load, tag=tag))
+                reading = None if probe is None else probe.memory_reading()
+                if reading is not None and reading.capacity is None:
+                    reading = None  # nothing limits memory: nothing to predict
+                count = self.sync.agree_count(self.controller.plan(load, tag=tag, memory=reading))
                 attempt = _Attempt(size=load.size_at(count))
+                if reading is not None:
+                    assert probe is not None and self.controller.memory is not None
+                    attempt.meter = Meter(probe, self.controller.memory, reading)
+                    if not self.sync.pairs_microbatches:  # else every rank cuts as planned, as many pieces
+                        attempt.lead = self.controller.measurement(load, smallest=self._smallest_rows())
+                    if attempt.lead:
+                        attempt.size = 0  # the pieces' sizes are decided as they are cut
                 try:
                     if not saved:  # inside the attempt: what saving allocates is the attempt's
                         self._rollback.save(self._devices(params))
                         saved = True
-                    if count > 1:
-                        self._warn_batchnorm(count)
+                    if count > 1 or attempt.lead:
+                        self._warn_batchnorm(max(count, 2))
                     run(attempt, count)
                 except Exception as err:  # maybe on this rank only: the vote must still happen
                     attempt.status, attempt.error, attempt.result = status_of(err), err, None
-                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params)
+                capacity = self._forecast(attempt)
+                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params, capacity=capacity)
                 if verdict.status == Status.OK:
                     self._rollback.commit()
-                    self.controller.record_success(verdict.size, load)
+                    self.controller.record_success(verdict.size, load, capacity=verdict.capacity)
                     return attempt, verdict
                 if forget is not None:
                     forget()
@@ -413,6 +447,38 @@ class ElasticStep:
                 self._rollback.forget()
             raise
 
+    def _memory_probe(self) -> MemoryProbe | None:
+        """The probe ``backward`` measures with, or ``None`` (no probe, or the controller predicts nothing)."""
+        model = self.controller.memory
+        if model is None or not model.enabled or self.memory is None:
+            return None
+        if self._probe is None:
+            if isinstance(self.memory, MemoryProbe):
+                self._probe = self.memory
+            else:
+                first = next(iter(self.sync.parameters()), None)
+                device = self.device if self.device is not None else None if first is None else first.device
+                self._probe = device_probe(device)
+                if self._probe is None:
+                    self.memory = None  # no probe for this device: not looked for again
+        return self._probe
+
+    def _forecast(self, attempt: _Attempt) -> int:
+        """After an attempt, before the vote: what the model learned from it, and its prediction for the next."""
+        meter = attempt.meter
+        if meter is None:
+            return 0
+        try:
+            if attempt.error is not None:
+                meter.failed(attempt.error)
+            return self.controller.forecast(meter.reading())
+        except Exception:  # a probe that fails must not keep this rank from the vote: predict nothing
+            return 0
+
+    def _smallest_rows(self) -> int:
+        """The fewest rows a microbatch may have: 2 through a training-mode BatchNorm, else 1."""
+        return 2 if self._training_batchnorms() else 1
+
     def _backward_microbatches(
         self,
         attempt: _Attempt,
@@ -425,24 +491,51 @@ class ElasticStep:
     ) -> torch.Tensor:
         """Forward and backward of every microbatch of one attempt; the batch's mean loss (detached)."""
         losses: list[torch.Tensor] = []  # weighted and detached; summed once, not once per microbatch
+        meter = attempt.meter
         with self.sync.microbatches():
-            microbatches: Iterable[Microbatch] = batch.microbatches(count, balance=self.controller.unit)
-            if count_fn is None:
-                attempt.total = float(len(batch))
+            microbatches: Iterable[Microbatch]
+            if meter is not None and attempt.lead:
+                microbatches = measured_pieces(
+                    batch, self.controller, meter, attempt.lead, self._smallest_rows(), count_fn, attempt
+                )
             else:
-                cut = list(microbatches)
-                counts = [float(count_fn(mb.unwrap())) for mb in cut]
-                attempt.total = total = math.fsum(counts)
-                microbatches = [mb.reweighted(c / total if total else 0.0) for mb, c in zip(cut, counts, strict=True)]
-            self.sync.weigh(attempt.total)
+                microbatches = batch.microbatches(count, balance=self.controller.unit)
+                if count_fn is None:
+                    attempt.total = float(len(batch))
+                else:
+                    cut = list(microbatches)
+                    counts = [float(count_fn(mb.unwrap())) for mb in cut]
+                    attempt.total = total = math.fsum(counts)
+                    microbatches = [
+                        mb.reweighted(c / total if total else 0.0) for mb, c in zip(cut, counts, strict=True)
+                    ]
+                self.sync.weigh(attempt.total)
+                if meter is not None:
+                    microbatches = self._windowed(microbatches, batch, count, meter)
             for mb in microbatches:
                 attempt.started += 1
                 if mb.weight == 0.0:
+                    if meter is not None:
+                        meter.skip()
                     continue  # nothing to count in it: its loss would be 0/0
-                losses.append(self._run(mb, loss_fn, unwrap, leaves))
+                losses.append(self._run(mb, loss_fn, unwrap, leaves, meter))
+                if meter is not None:
+                    meter.end()
             if not losses:
                 return torch.full((), math.nan)
             return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+
+    def _windowed(
+        self, microbatches: Iterable[Microbatch], batch: ElasticBatch, count: int, meter: Meter
+    ) -> Iterator[Microbatch]:
+        """``microbatches`` (the planned cut), each taken inside its memory window."""
+        load = batch.load(self.controller.unit)
+        pieces = iter(microbatches)
+        start = 0
+        for rows in load.sizes(count):
+            meter.begin(load.cost(start, start + rows))
+            yield next(pieces)
+            start += rows
 
     def _learn_from_failure(
         self,
@@ -468,7 +561,7 @@ class ElasticStep:
         final: ElasticOOMError | None = None
         load = batch.load(self.controller.unit)
         try:
-            self.controller.record_oom(verdict.oom_size, load, discarded=started)
+            self.controller.record_oom(verdict.oom_size, load, discarded=started, capacity=verdict.capacity)
             final = self._batchnorm_limit(load, batch.split_count, verdict.oom_size)
         except ElasticOOMError as err:
             final = err
@@ -672,10 +765,19 @@ class ElasticStep:
                 torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coefficient)
         return torch.tensor(math.sqrt(total_sq), dtype=torch.float64)
 
-    def _run(self, mb: Microbatch, loss_fn: LossFn, unwrap: bool, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _run(
+        self,
+        mb: Microbatch,
+        loss_fn: LossFn,
+        unwrap: bool,
+        leaves: Sequence[torch.Tensor],
+        meter: Meter | None = None,
+    ) -> torch.Tensor:
         if self.device is not None:
             mb = mb.to(self.device, non_blocking=True)
         loss = loss_fn(mb.unwrap() if unwrap else mb)
+        if meter is not None:
+            meter.forward_done()
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__qualname__
             raise ValueError(f"loss_fn must return a scalar loss tensor (a mean over the microbatch), got {shape}")

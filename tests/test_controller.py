@@ -18,6 +18,8 @@ import pytest
 
 import elastic_batches as eb
 from elastic_batches.controller import _STATE_KEYS
+from elastic_batches.memory import MemoryReading
+from elastic_batches.memory_model import MemoryModel
 
 
 def largest_piece(rows: int, count: int) -> int:
@@ -319,7 +321,7 @@ def test_state_round_trip_contract(seed: int, grow_after: int | None) -> None:
         _play(original, env[:stop])
         state = original.state_dict()
         assert json.loads(json.dumps(state)) == state  # plain values only
-        assert set(state) == set(_STATE_KEYS) and state["version"] == 1
+        assert set(state) == set(_STATE_KEYS) and state["version"] == 2
         restored = eb.SplitController(**kwargs)
         restored.load_state_dict(copy.deepcopy(state))
         assert restored.state_dict() == state
@@ -360,7 +362,7 @@ _DROP = object()
         (
             _state_with(version=99),
             ValueError,
-            r"state version 99 is not supported \(this elastic_batches writes version 1\)",
+            r"state version 99 is not supported \(this elastic_batches writes version 2\)",
         ),
         (
             _state_with(unit="tokens", fits=7),
@@ -411,7 +413,11 @@ def test_plan_rejects_bad_rows(rows: Any) -> None:
 def test_repr_shows_what_was_learned() -> None:
     controller = eb.SplitController()
     controller.record_oom(64, 64)
-    assert repr(controller) == "SplitController(split_count=2, microbatch_size=32, fits=0, fails=64, oom_count=1)"
+    assert repr(controller) == (
+        "SplitController(split_count=2, microbatch_size=32, fits=0, fails=64, oom_count=1, "
+        "memory='nothing measured yet, margin 5%')"
+    )
+    assert repr(eb.SplitController(margin=None)).endswith("fails=None, oom_count=0)")
 
 
 def test_limits_set_later_apply_to_the_next_count_and_are_checked() -> None:
@@ -500,3 +506,37 @@ def test_a_known_failure_still_limits_the_plan() -> None:
     controller.record_success(256, 512)
     assert controller.count_for(1024) == 4  # microbatches of what fitted, under the failure at 512
     assert controller.count_for(200) == 1  # a batch that fits whole below it runs whole
+
+
+def _fitted(controller: eb.SplitController) -> MemoryModel:
+    """The controller's memory model, given exact measurements: 1000 bytes + 100 per row, 500 retained."""
+    model = controller.memory
+    assert model is not None
+    model.observe(4, 1000 + 100 * 4, first=True)
+    model.observe_retained(500)
+    for size in (8, 16, 32):
+        model.observe(size, 1000 + 100 * size, first=False)
+    return model
+
+
+@pytest.mark.parametrize("in_use", [0, 20_000], ids=["empty", "in-use"])
+def test_a_predicted_plan_keeps_the_largest_microbatch_under_the_capacity_minus_the_margin(in_use: int) -> None:
+    controller = eb.SplitController()
+    model = _fitted(controller)
+    model.widen("the test")  # wrong once: the whole margin applies, 10% now
+    reading = MemoryReading(in_use=in_use, capacity=100_000)
+    for rows in (50, 256, 1000, 5000):
+        count = controller.plan(rows, memory=reading)
+        size = math.ceil(rows / count)
+        assert in_use + model.predict(size) <= 0.9 * reading.capacity  # exact: 0 bytes of tolerance
+        if count > 1:  # and the fewest such: one microbatch fewer would not keep the margin
+            assert in_use + model.predict(math.ceil(rows / (count - 1))) > 0.9 * reading.capacity
+
+
+def test_until_the_model_was_wrong_the_margin_costs_at_most_a_twentieth_of_the_size() -> None:
+    controller = eb.SplitController()
+    model = _fitted(controller)
+    reading = MemoryReading(in_use=0, capacity=100_000)
+    exact = model.largest(reading, margin=0.0)  # (100_000 - 500 - 1000) // 100 = 985 rows
+    assert exact == 985 and controller.forecast(reading) == exact - exact // 20
+    assert model.predict(controller.forecast(reading)) <= reading.capacity

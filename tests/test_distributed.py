@@ -800,6 +800,82 @@ def test_controller_state_is_the_same_on_every_rank_and_resumes_without_oom(rank
         assert result["oom_count"] == (1, 1), "the restored controller reported no new OOM"
 
 
+# -- predicted microbatches: each rank's capacity in the vote --------------------------------------
+
+
+def _predicted(rank: int, world: int, kind: str, gather: str) -> dict[str, Any]:
+    """Each rank measures with its own budget, rank 1's tighter; every step after the first runs one agreed plan."""
+    rows, steps = 256, 4
+
+    def peak(split_count: int) -> int:
+        model = _distribute(kind, _plain_model(width=64))
+        step = eb.ElasticStep(
+            model, controller=eb.SplitController(split_count, margin=None), memory=None, gather=gather
+        )
+        budget = MemoryBudget(None)
+        with budget:
+            step.backward(_batch(0, rank, rows), _loss_fn(model))
+        return budget.peak_bytes
+
+    peaks = {count: peak(count) for count in (2, 5)}  # every rank builds the models alike
+    budget = MemoryBudget(peaks[5 if rank == 1 else 2] + 64)
+    model = _distribute(kind, _plain_model(width=64))
+    controller = eb.SplitController()
+    step = eb.ElasticStep(model, controller=controller, memory=budget, gather=gather)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    plans, failed = [], []
+    for i in range(steps):
+        seen: list[int] = []
+        before = controller.oom_count
+
+        def loss_fn(mb: eb.Microbatch, seen: list[int] = seen) -> torch.Tensor:
+            if mb.index == 0:
+                seen.clear()
+            seen.append(len(mb))
+            return _loss_fn(model)(mb.unwrap())
+
+        optimizer.zero_grad(set_to_none=True)
+        with budget:
+            step.backward(_batch(i, rank, rows), loss_fn, unwrap=False)
+        optimizer.step()
+        plans.append(list(seen))
+        failed.append(controller.oom_count - before)  # attempts that failed on some rank
+    return {
+        "plans": plans,
+        "ooms": budget.oom_count + controller.oom_count,
+        "failed": failed,
+        "predicting": controller.predicting(),
+        "weights": _full(model.parameters()),
+    }
+
+
+@pytest.mark.parametrize(("kind", "gather"), [("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "module")])
+def test_ranks_with_unequal_memory_agree_on_one_predicted_plan_without_an_oom(
+    ranks: RankPool, kind: str, gather: str
+) -> None:
+    results = ranks.run(_predicted, kind, gather, timeout=60)
+    reference = _plain_model(width=64)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for i in range(4):
+        optimizer.zero_grad()
+        _loss_fn(reference)(_union_batch(i, [256, 256])).backward()
+        optimizer.step()
+    want = _full(p for p in reference.parameters())
+    for result in results:
+        assert result["predicting"]
+        assert _relative_error(result["weights"], want) <= RTOL
+        if gather == "module":  # collectives pair the microbatches: the first batch is cut as planned, no measuring
+            assert result["plans"] == results[0]["plans"] and result["failed"][1:] == [0, 0, 0]
+            assert results[0]["plans"][0][0] > 1
+        else:
+            assert result["ooms"] == 0
+            assert result["plans"][0][0] == 1  # the first batch: a measuring microbatch, then cut as predicted
+    # The first vote forecast from memory before DDP's buckets existed; a rank that sees less free memory at the
+    # next step plans for it. From the second vote on, one plan: the smallest capacity in the vote, rank 1's.
+    assert results[0]["plans"][2:] == results[1]["plans"][2:]
+    assert all(len(plan) >= 5 for result in results for plan in result["plans"][1:])  # rank 1 needs 5 or more
+
+
 # -- FSDP2 with mixed precision, and forward-only stages ------------------------------------------
 
 
@@ -1200,7 +1276,7 @@ def _vote_in(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     sync.prepare(params)
     status = eb.distributed.Status.OK if rank == 0 else eb.distributed.Status.OOM
     with _counting_collectives() as counts:
-        verdict = sync.vote(status, 2**40 + 3 - rank, 1e15 / 3 + rank, params)
+        verdict = sync.vote(status, 2**40 + 3 - rank, 1e15 / 3 + rank, params, capacity=2**40 + 7 - rank)
     sync.discard()
     return {"verdict": tuple(verdict), "counts": counts}
 
@@ -1211,9 +1287,10 @@ def test_ddp_fused_vote_is_exact_in_any_gradient_dtype(ranks: RankPool, dtype: s
     grand_total = math.fsum([1e15 / 3, 1e15 / 3 + 1])
     for rank, result in enumerate(results):
         assert result["counts"][GATHER] == 0 and result["counts"]["all_reduce"] == 1
-        status, oom_ranks, error_ranks, oom_size, size, scale, sums = result["verdict"]
+        status, oom_ranks, error_ranks, oom_size, size, scale, sums, capacity = result["verdict"]
         assert (status, oom_ranks, error_ranks, sums) == (eb.distributed.Status.OOM, (1,), (), ())
         assert (oom_size, size, scale) == (2**40 + 2, 2**40 + 2, (1e15 / 3 + rank) / grand_total)
+        assert capacity == 2**40 + 6  # each rank's predicted capacity rides in the vote: the smallest
 
 
 # -- the harness itself ------------------------------------------------------------------------

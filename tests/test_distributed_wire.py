@@ -18,9 +18,12 @@ def test_vote_bytes_carry_every_vote_exactly_and_decode_again_only_when_the_sum_
     def exchange(mine: tuple[float, ...], theirs: tuple[float, ...]) -> Any:
         return votes[0].read(votes[0].slots(mine) + votes[1].slots(theirs))  # what the sum over ranks carries
 
-    first = exchange((1, 7, 12.5, 0.0), (0, 3, 1 / 3, 1.0))
-    assert first == ((1, 7, 12.5, 0.0), (0, 3, 1 / 3, 1.0))  # float64 values whole, through any carrier
-    assert exchange((1, 7, 12.5, 0.0), (0, 3, 1 / 3, 1.0)) is first  # the same sum: not decoded again
-    assert exchange((1, 7, 12.5, 0.0), (0, 3, 2 / 3, 1.0)) == ((1, 7, 12.5, 0.0), (0, 3, 2 / 3, 1.0))
-    negative_zero = exchange((0, 7, -0.0, 0.0), (0, 3, 2 / 3, 1.0))[0][2]  # equal to 0.0, other bytes
+    first = exchange((1, 7, 12.5, 0.0, 96), (0, 3, 1 / 3, 1.0, 2**40))
+    assert first == ((1, 7, 12.5, 0.0, 96), (0, 3, 1 / 3, 1.0, 2**40))  # float64 values whole, through any carrier
+    assert exchange((1, 7, 12.5, 0.0, 96), (0, 3, 1 / 3, 1.0, 2**40)) is first  # the same sum: not decoded again
+    assert exchange((1, 7, 12.5, 0.0, 96), (0, 3, 2 / 3, 1.0, 2**40)) == (
+        (1, 7, 12.5, 0.0, 96),
+        (0, 3, 2 / 3, 1.0, 2**40),
+    )
+    negative_zero = exchange((0, 7, -0.0, 0.0, 0), (0, 3, 2 / 3, 1.0, 2**40))[0][2]  # equal to 0.0, other bytes
     assert negative_zero == 0.0 and math.copysign(1.0, negative_zero) == -1.0

@@ -144,17 +144,24 @@ class DistributedDataParallel(Agreeing):
         ignored = self.ddp.parameters_to_ignore
         return [b for name, b in self.ddp.module.named_buffers() if b.numel() and name not in ignored]
 
-    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+    def vote(
+        self,
+        status: Status,
+        size: int,
+        total: float,
+        params: Sequence[torch.Tensor] | None = None,
+        capacity: int = 0,
+    ) -> Verdict:
         if params is None:
-            return super().vote(status, size, total)
+            return super().vote(status, size, total, capacity=capacity)
         key = tuple(map(id, self._synced(params)))
         fused = key == self._fused_key
         if fused:
-            rows = self._fused_vote(status, size, total)
+            rows = self._fused_vote(status, size, total, capacity)
         else:
             ready = key == self._plan_key and self._plan is not None and self._plan.fused is not None
-            rows = self._exchange((status, size, total, self._used.flag, float(ready)))
-            self._fused_key = key if all(r[4] for r in rows) else None
+            rows = self._exchange((status, size, total, self._used.flag, capacity, float(ready)))
+            self._fused_key = key if all(r[5] for r in rows) else None
         verdict = verdict_of(rows, total)
         self._used.learn(verdict.status, rows)
         grand_total = math.fsum(r[2] for r in rows)
@@ -164,7 +171,7 @@ class DistributedDataParallel(Agreeing):
             self._reference = grand_total
         return verdict
 
-    def _fused_vote(self, status: Status, size: int, total: float) -> Rows:
+    def _fused_vote(self, status: Status, size: int, total: float, capacity: int) -> Rows:
         """All-reduce bucket 0, pre-scaled by ``total / reference``, and every rank's vote bytes in one collective.
 
         A rank whose attempt failed sends zeros in place of its gradients. Nothing here
@@ -177,7 +184,7 @@ class DistributedDataParallel(Agreeing):
             plan.fill(0, self._parts[0], total / self._reference)
         else:
             plan.buckets[0].flat.zero_()
-        plan.vote.copy_(votes.slots((status, size, total, self._used.flag)))
+        plan.vote.copy_(votes.slots((status, size, total, self._used.flag, capacity)))
         dist.all_reduce(plan.fused, group=self.group)
         return votes.read(plan.vote)
 

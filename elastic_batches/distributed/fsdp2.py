@@ -444,16 +444,24 @@ class FullyShard(Agreeing):
         self._used.record(used)
         self._grads, self._buckets, self._fused_grads = grads, buckets, fused
 
-    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+    def vote(
+        self,
+        status: Status,
+        size: int,
+        total: float,
+        params: Sequence[torch.Tensor] | None = None,
+        capacity: int = 0,
+    ) -> Verdict:
         aborted = self.guard.aborted  # stopped at a guard by a peer's failure: not an OOM of this rank's
         self.guard.aborted = False
         said = Status.OK if aborted and status == Status.OOM else status
         if self.layout.hsdp:  # the side channel's meeting point: the peers' votes, whatever their guards saw
-            rows: Rows = tuple(map(tuple, self.guard.meet(said, (size, total, self._used.flag if params else 0.0))))
+            values = (size, total, self._used.flag if params else 0.0, capacity)
+            rows: Rows = tuple(map(tuple, self.guard.meet(said, values)))
             if params is None:
                 return verdict_of(rows, total)
         elif params is None:  # no gradients to reduce (evaluation): the vote alone
-            return super().vote(said, size, total)
+            return super().vote(said, size, total, capacity=capacity)
         else:
             fused = self._fused
             assert fused is not None
@@ -463,7 +471,7 @@ class FullyShard(Agreeing):
                     _fill(parts, entry)
                 if total != self._reference:
                     parts.mul_(total / self._reference)
-            rows = fused.exchange((said, size, total, self._used.flag), self.group)
+            rows = fused.exchange((said, size, total, self._used.flag, capacity), self.group)
         verdict = verdict_of(rows, total)
         self._used.learn(verdict.status, rows)
         grand_total = math.fsum(r[2] for r in rows)

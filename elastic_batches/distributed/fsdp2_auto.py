@@ -95,6 +95,10 @@ class AutoGather(GradientSync):
     def microbatches(self) -> contextlib.AbstractContextManager[None]:
         return self.active.microbatches()
 
+    @property
+    def pairs_microbatches(self) -> bool:
+        return self.active.pairs_microbatches
+
     def agree_count(self, count: int) -> int:
         return self.active.agree_count(count)
 
@@ -104,8 +108,15 @@ class AutoGather(GradientSync):
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         self.active.prepare(params)
 
-    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
-        return self.active.vote(status, size, total, params)
+    def vote(
+        self,
+        status: Status,
+        size: int,
+        total: float,
+        params: Sequence[torch.Tensor] | None = None,
+        capacity: int = 0,
+    ) -> Verdict:
+        return self.active.vote(status, size, total, params, capacity)
 
     def agree(self, status: Status, *values: float) -> Verdict:
         return self.active.agree(status, *values)

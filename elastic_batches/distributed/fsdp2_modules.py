@@ -80,6 +80,10 @@ class ShardPerModule(GradientSync):
         # FSDP2's forward runs on the unsharded parameters, whose gradients it reduces into the sharded ones.
         return super().graph_leaf_ids() | self.layout.unsharded_ids()
 
+    @property
+    def pairs_microbatches(self) -> bool:
+        return True
+
     def agree_count(self, count: int) -> int:
         # FSDP2's collectives pair the ranks' microbatches: every rank cuts as many (one side-channel round).
         if self.guard.world_size == 1:
@@ -117,11 +121,18 @@ class ShardPerModule(GradientSync):
             for group, reduce_grads, all_reduce in saved:
                 group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce
 
-    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+    def vote(
+        self,
+        status: Status,
+        size: int,
+        total: float,
+        params: Sequence[torch.Tensor] | None = None,
+        capacity: int = 0,
+    ) -> Verdict:
         aborted = self.guard.aborted  # stopped at a guard by a peer's failure: not an OOM of this rank's
         self.guard.aborted = False
         said = Status.OK if aborted and status == Status.OOM else status
-        rows = tuple(map(tuple, self.guard.meet(said, (size, total))))
+        rows = tuple(map(tuple, self.guard.meet(said, (size, total, 0.0, capacity))))
         verdict = verdict_of(rows, total)
         if params is not None and verdict.status == Status.OK:
             grand_total = math.fsum(r[2] for r in rows)

@@ -43,8 +43,15 @@ class Agreeing(GradientSync):
         getattr(dist, ALL_GATHER)(self._gathered, self._mine.write(values), group=self.group)
         return tuple(map(tuple, self._gathered.view(self.world_size, VOTE_WIDTH).tolist()))
 
-    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
-        return verdict_of(self._exchange((status, size, total)), total)
+    def vote(
+        self,
+        status: Status,
+        size: int,
+        total: float,
+        params: Sequence[torch.Tensor] | None = None,
+        capacity: int = 0,
+    ) -> Verdict:
+        return verdict_of(self._exchange((status, size, total, 0.0, capacity)), total)
 
     def agree(self, status: Status, *values: float) -> Verdict:
         check_values(values)

@@ -3,9 +3,9 @@
 Every method of :class:`GradientSync` is called on every rank in the same order, so every
 collective has its peers. A vote is one row of numbers per rank (an attempt's: its status, the
 size of its largest microbatch, its weight total, whether it left a trained parameter without a
-gradient; another phase's: its status and up to four numbers to sum); every rank decodes the
-same rows into the same :class:`Verdict`. ``GradientSync`` itself is the scheme of one
-process: nothing to agree on, nothing to synchronise.
+gradient, the largest microbatch its memory model predicts fits; another phase's: its status and
+up to four numbers to sum); every rank decodes the same rows into the same :class:`Verdict`.
+``GradientSync`` itself is the scheme of one process: nothing to agree on, nothing to synchronise.
 """
 
 from __future__ import annotations
@@ -21,9 +21,19 @@ from torch import nn
 
 from elastic_batches.oom import Status
 
-__all__ = ["GradientSync", "Rows", "Verdict", "VOTE_WIDTH", "agreement_of", "check_values", "verdict_of"]
+__all__ = [
+    "AGREE_VALUES",
+    "GradientSync",
+    "Rows",
+    "Verdict",
+    "VOTE_WIDTH",
+    "agreement_of",
+    "check_values",
+    "verdict_of",
+]
 
-VOTE_WIDTH = 5  # values each rank contributes to one vote
+VOTE_WIDTH = 6  # values each rank contributes to one vote: status, size, total, unused flag, capacity, ready
+AGREE_VALUES = 4  # numbers another phase's vote sums
 Rows = tuple[tuple[float, ...], ...]  # every rank's vote values, in rank order
 
 
@@ -38,6 +48,8 @@ class Verdict(NamedTuple):
             memory; 0 without OOM.
         size: An attempt's: the smallest over ranks of each rank's largest microbatch.
         scale: An attempt's: this rank's share of the global mean, ``total_r / sum(totals)``.
+        capacity: An attempt's: the largest microbatch (rows, or tokens) that every rank's
+            memory model predicts fits, the smallest over ranks; 0 when some rank predicts nothing.
         sums: Another phase's (:meth:`GradientSync.agree`): the sums over ranks of the values passed.
     """
 
@@ -48,6 +60,7 @@ class Verdict(NamedTuple):
     size: int = 0
     scale: float = 1.0
     sums: tuple[float, ...] = ()
+    capacity: int = 0
 
 
 _ALL_OK = Verdict(Status.OK)
@@ -59,10 +72,11 @@ def _ranks(statuses: Sequence[int], status: Status) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=16)  # a steady run casts the same votes step after step
 def verdict_of(rows: Rows, total: float) -> Verdict:
-    """An attempt's verdict from every rank's ``(status, size, total, ...)``, for the rank whose total is ``total``."""
+    """An attempt's verdict from every rank's ``(status, size, total, unused, capacity, ...)``, for ``total``'s rank."""
     statuses = [int(r[0]) for r in rows]
     oom_sizes = [int(r[1]) for r in rows if int(r[0]) == Status.OOM]
     grand_total = math.fsum(r[2] for r in rows)
+    capacities = [int(r[4]) if len(r) > 4 else 0 for r in rows]
     return Verdict(
         status=Status(max(statuses)),
         oom_ranks=_ranks(statuses, Status.OOM),
@@ -70,6 +84,7 @@ def verdict_of(rows: Rows, total: float) -> Verdict:
         oom_size=min(oom_sizes) if oom_sizes else 0,
         size=min(int(r[1]) for r in rows),
         scale=total / grand_total if grand_total else 0.0,
+        capacity=min(capacities) if all(c > 0 for c in capacities) else 0,
     )
 
 
@@ -86,8 +101,8 @@ def agreement_of(rows: Sequence[Sequence[float]], count: int) -> Verdict:
 
 def check_values(values: Sequence[float]) -> None:
     """Refuse more values than a vote carries."""
-    if len(values) > VOTE_WIDTH - 1:
-        raise ValueError(f"GradientSync.agree takes at most {VOTE_WIDTH - 1} values, got {len(values)}")
+    if len(values) > AGREE_VALUES:
+        raise ValueError(f"GradientSync.agree takes at most {AGREE_VALUES} values, got {len(values)}")
 
 
 class GradientSync:
@@ -136,6 +151,11 @@ class GradientSync:
         """The context every microbatch of an attempt runs in: no collective may start inside."""
         return contextlib.nullcontext()
 
+    @property
+    def pairs_microbatches(self) -> bool:
+        """Whether collectives pair the ranks' microbatches (FSDP2 per module): every rank cuts as planned, as many."""
+        return False
+
     def agree_count(self, count: int) -> int:
         """The number of microbatches an attempt cuts this rank's batch into, from this rank's plan ``count``.
 
@@ -167,7 +187,14 @@ class GradientSync:
             params: The trained parameters whose ``.grad`` the attempt accumulated.
         """
 
-    def vote(self, status: Status, size: int, total: float, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+    def vote(
+        self,
+        status: Status,
+        size: int,
+        total: float,
+        params: Sequence[torch.Tensor] | None = None,
+        capacity: int = 0,
+    ) -> Verdict:
         """Share this rank's outcome of an attempt; every rank gets the same verdict back.
 
         Args:
@@ -177,8 +204,10 @@ class GradientSync:
             params: The parameters of a ``backward`` attempt (the same list as for
                 :meth:`prepare`): DDP may start reducing their gradients in the vote's own
                 collective. ``None`` (``evaluate``): no gradients.
+            capacity: The largest microbatch this rank's memory model predicts fits the next
+                attempt (rows, or tokens); 0: no prediction. Every rank plans from the smallest.
         """
-        return verdict_of(((status, size, total),), total)
+        return verdict_of(((status, size, total, 0.0, capacity),), total)
 
     def agree(self, status: Status, *values: float) -> Verdict:
         """One small collective: every rank learns every rank's status and the sums of ``values``.

@@ -1,6 +1,6 @@
 """How a vote travels: as bytes inside a sum, in buffers written by the host, and the unused-parameter count.
 
-A fused vote carries each rank's four float64 as their 32 bytes, one byte (0..255) per element
+A fused vote carries each rank's five float64 as their 40 bytes, one byte (0..255) per element
 of a collective of another dtype (the gradients'): exact in any of :data:`BYTE_CARRIERS`, and
 exact in a sum where the other ranks add 0. Everything a vote sends is allocated before the
 attempt it reports on, so that a vote never allocates (an OOM in it would strand the peers).
@@ -19,7 +19,9 @@ from elastic_batches.oom import Status
 
 __all__ = ["ALL_GATHER", "BYTE_CARRIERS", "REDUCE_SCATTER", "VOTE_BYTES", "HostWritten", "UsedMap", "VoteBytes"]
 
-VOTE_VALUES = 4  # status, size, total, and whether a trained parameter got no gradient here: an attempt's vote
+# status, size, total, whether a trained parameter got no gradient here, and the largest microbatch this rank's
+# memory model predicts fits: an attempt's vote
+VOTE_VALUES = 5
 VOTE_BYTES = 8 * VOTE_VALUES
 _VOTE_STRUCT = struct.Struct(f"{VOTE_VALUES}d")
 BYTE_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -32,7 +34,7 @@ REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single
 class VoteBytes:
     """A vote that rides in a sum: this rank's values as bytes in its slot, every rank's values read from the sum.
 
-    Each rank owns ``VOTE_BYTES`` elements, one byte (0..255) of its four float64 per element;
+    Each rank owns ``VOTE_BYTES`` elements, one byte (0..255) of its five float64 per element;
     the others add zeros there, so the sum holds every rank's bytes exactly. A steady run casts
     the same vote step after step: the slots are written again only when this rank's bytes
     change, and the sum is decoded again only when it differs from the last one decoded. The
@@ -55,7 +57,7 @@ class VoteBytes:
         self._rows: Rows | None = None
 
     def slots(self, values: Sequence[float]) -> torch.Tensor:
-        """The host tensor to send, holding ``values`` (status, size, total, unused flag) in this rank's slot."""
+        """The host tensor to send: ``values`` (status, size, total, unused flag, capacity) in this rank's slot."""
         packed = _VOTE_STRUCT.pack(*values)
         if packed != self._written:
             slots = bytearray(self.world * VOTE_BYTES)  # writable, as torch.frombuffer wants

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from elastic_batches.memory import MemoryProbe, MemoryReading
+
 __all__ = ["MemoryBudget"]
 
 # How an op's return relates to its inputs, read from its schema: a fresh allocation, a view of
@@ -101,7 +103,7 @@ def _use_resize_counting(delta: int) -> None:
         torch.UntypedStorage.resize_ = _counted_resize if _resize_users > 0 else _ORIGINAL_RESIZE  # type: ignore[method-assign,assignment]
 
 
-class MemoryBudget(TorchDispatchMode):
+class MemoryBudget(TorchDispatchMode, MemoryProbe):
     """Simulated device memory: counts live tensor storages and raises past a limit.
 
     While the mode is active, every dispatched op's outputs are inspected. An output whose
@@ -179,7 +181,8 @@ class MemoryBudget(TorchDispatchMode):
         self._limit: int | None = None
         self.limit_bytes = limit_bytes
         self._live = 0
-        self._peak = 0
+        self._peak = 0  # the peak of the current window (since the last start_window or reset_peak)
+        self._earlier_peak = 0  # the highest peak of the windows before it
         self._oom_count = 0
         tracked: dict[int, _StorageRef] = {}
         freed: collections.deque[int] = collections.deque()
@@ -302,7 +305,7 @@ class MemoryBudget(TorchDispatchMode):
             >>> budget.peak_bytes, budget.live_bytes
             (400, 0)
         """
-        return self._peak
+        return max(self._peak, self._earlier_peak)
 
     @property
     def oom_count(self) -> int:
@@ -332,6 +335,42 @@ class MemoryBudget(TorchDispatchMode):
             0
         """
         self._peak = self._drain()
+        self._earlier_peak = 0
+
+    def memory_reading(self) -> MemoryReading:
+        """``live_bytes`` and ``limit_bytes``, as a :class:`~elastic_batches.memory.MemoryProbe` reports them.
+
+        Example:
+            >>> budget = MemoryBudget(limit_bytes=4096)
+            >>> with budget:
+            ...     x = torch.zeros(256)
+            >>> budget.memory_reading()
+            MemoryReading(in_use=1024, capacity=4096)
+        """
+        return MemoryReading(self._drain(), self._limit)
+
+    def start_window(self) -> int:
+        """Start a peak window for :meth:`window_peak`; ``peak_bytes`` keeps the peak of every window.
+
+        Returns:
+            ``live_bytes`` now.
+
+        Example:
+            >>> with MemoryBudget() as budget:
+            ...     x = torch.ones(100)
+            ...     del x
+            ...     _ = budget.start_window()
+            ...     y = torch.ones(10)
+            >>> budget.window_peak(), budget.peak_bytes
+            (40, 400)
+        """
+        self._earlier_peak = max(self._earlier_peak, self._peak)
+        self._peak = self._drain()
+        return self._peak
+
+    def window_peak(self) -> int:
+        """The highest ``live_bytes`` since :meth:`start_window` (or :meth:`reset_peak`)."""
+        return self._peak
 
     def __torch_dispatch__(
         self,
@@ -404,5 +443,5 @@ class MemoryBudget(TorchDispatchMode):
         limit = "None" if self._limit is None else _format_bytes(self._limit)
         return (
             f"MemoryBudget(limit={limit}, live={_format_bytes(self.live_bytes)}, "
-            f"peak={_format_bytes(self._peak)}, ooms={self._oom_count})"
+            f"peak={_format_bytes(self.peak_bytes)}, ooms={self._oom_count})"
         )

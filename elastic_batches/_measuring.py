@@ -1,0 +1,147 @@
+"""What ``ElasticStep`` measures around the microbatches of an attempt, and how it cuts a batch it measures.
+
+A :class:`Meter` reads the step's memory probe around each microbatch of one ``backward``
+attempt (the cut of the microbatch included) and feeds the controller's memory model: the
+increment of each microbatch over what was in use before it, what the attempt retained from its
+first microbatch, and, after an OOM, the microbatch that failed and what was free for it.
+:func:`measured_pieces` cuts a batch the model knows nothing about: a small first microbatch, then
+each next one from the rows left, at the size the model predicts from what was measured so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from elastic_batches.batch import ElasticBatch, Microbatch
+from elastic_batches.controller import SplitController
+from elastic_batches.distributed.guard import PeerFailure
+from elastic_batches.memory import MemoryProbe, MemoryReading
+from elastic_batches.memory_model import MemoryModel
+from elastic_batches.oom import is_oom_error
+
+logger = logging.getLogger("elastic_batches.step")
+
+
+class Meter:
+    """One attempt's memory: a window around each microbatch, fed to ``model``.
+
+    Args:
+        probe: The device's probe.
+        model: The controller's memory model.
+        start: The reading when the attempt started (its capacity is known).
+    """
+
+    def __init__(self, probe: MemoryProbe, model: MemoryModel, start: MemoryReading) -> None:
+        assert start.capacity is not None
+        self.probe, self.model = probe, model
+        self.start = start.in_use
+        self.capacity = start.capacity
+        self.index = 0  # microbatches measured so far
+        self.retained = 0  # the most the attempt held between its microbatches, over its start
+        self.size: int | None = None  # the size of the microbatch whose window is open
+        self.before = 0  # bytes in use when that window opened
+        self.forward: int | None = None  # bytes it held over that when its forward ended
+
+    def begin(self, size: int) -> None:
+        """Open the window of the next microbatch, of ``size`` in the controller's unit (before it is cut)."""
+        before = self.probe.start_window()
+        if self.index >= 1:  # what the attempt holds between microbatches: the gradients, the pieces cut, losses
+            self.retained = max(self.retained, before - self.start)
+            self.model.observe_retained(self.retained)
+        self.size, self.before, self.forward = size, before, None
+
+    def forward_done(self) -> None:
+        """The microbatch's forward returned its loss: what it holds now is what backward will need to free."""
+        self.forward = self.probe.memory_reading().in_use - self.before
+
+    def end(self) -> None:
+        """Close the window: the microbatch completed."""
+        assert self.size is not None
+        increment = self.probe.window_peak() - self.before
+        self.model.observe(self.size, increment, first=self.index == 0, forward=self.forward)
+        self.size = None
+        self.index += 1
+
+    def skip(self) -> None:
+        """Close the window of a microbatch that did not run (nothing counted in it)."""
+        self.size = None
+
+    def failed(self, error: BaseException) -> None:
+        """The attempt raised ``error``: an OOM teaches the model (the microbatch that failed, or none).
+
+        A peer's failure that stopped this rank at an FSDP2 collective teaches nothing of this rank's memory.
+        """
+        if not is_oom_error(error) or isinstance(error, PeerFailure):
+            return
+        reading = self.probe.memory_reading()
+        if reading.capacity is not None:
+            self.capacity = reading.capacity
+        if self.size is None:  # between microbatches (counting, summing, the gradient sync's buffers)
+            if self.model.ready:
+                self.model.widen("an OOM outside the microbatches, where it predicts nothing")
+            return
+        self.model.observe_failure(self.size, self.capacity - self.before, first=self.index == 0)
+
+    def reading(self) -> MemoryReading:
+        """What the next attempt will likely start with: this one's start, the capacity last read."""
+        return MemoryReading(self.start, self.capacity)
+
+
+def measured_pieces(
+    batch: ElasticBatch,
+    controller: SplitController,
+    meter: Meter,
+    lead: int,
+    smallest: int,
+    count_fn: Callable[[Any], Any] | None,
+    attempt: Any,
+) -> Iterator[Microbatch]:
+    """The microbatches of an attempt that measures: ``lead`` rows first, then each at the size predicted now.
+
+    Each microbatch is cut inside its window (``meter.begin``); the caller closes it. With
+    ``count_fn``, the weights divide by its count over the whole batch, counted first; should the
+    pieces' counts add up to another total, ``attempt.rescale`` says by how much the gradients
+    must be scaled. When the attempt ends, every microbatch gets the final ``count``.
+    ``attempt.size`` is the largest piece cut so far, ``attempt.total`` the weight total.
+    """
+    rows = len(batch)
+    load = batch.load(controller.unit)
+    estimate = 1.0
+    if count_fn is not None:
+        estimate = float(count_fn(batch.microbatch(0, rows).unwrap())) or 1.0
+    made: list[Microbatch] = []
+    counts: list[float] = []
+    start, planned = 0, 2
+    for index in itertools.count():
+        if start >= rows:
+            break
+        if index == 0:
+            take = lead
+        else:
+            rest = load.tail(start)
+            count = controller.plan_rest(rest, meter.probe.memory_reading(), done=index)
+            take, planned = rest.sizes(count)[0], index + count
+        take = max(take, smallest)
+        if rows - start - take < smallest:  # no piece smaller than the smallest allowed at the end
+            take = rows - start
+        stop = start + take
+        size = load.cost(start, stop)
+        attempt.size = max(attempt.size, size)
+        meter.begin(size)
+        mb = batch.microbatch(start, stop, index=index, count=index + 1 if stop == rows else max(planned, index + 2))
+        if count_fn is not None:
+            counts.append(float(count_fn(mb.unwrap())))
+            mb = mb.reweighted(counts[-1] / estimate)
+        made.append(mb)
+        yield mb
+        start = stop
+    for mb in made:
+        mb.count = len(made)
+    attempt.total = math.fsum(counts) if count_fn is not None else float(rows)
+    if count_fn is not None and attempt.total and attempt.total != estimate:
+        attempt.rescale = estimate / attempt.total  # count_fn did not add up over the pieces: weights by the real total
+    logger.debug("measured attempt: %d microbatches of %s rows", len(made), [len(mb) for mb in made])

@@ -1,0 +1,163 @@
+"""Device memory probes: the memory in use, the peak around a microbatch, and the capacity of this process.
+
+A :class:`MemoryProbe` is what the controller's memory model learns from
+(:class:`elastic_batches.memory_model.MemoryModel`). :class:`ElasticStep` reads one around each
+microbatch of ``backward``: the bytes in use before it, the peak during it, and, once an attempt,
+the capacity. Probes exist for
+
+- CUDA and XPU (:class:`AcceleratorProbe`, from ``torch.cuda`` / ``torch.xpu``): in use is
+  ``memory_allocated``, the peak ``max_memory_allocated`` after ``reset_peak_memory_stats``, and
+  the capacity what the caching allocator may still reach: the bytes it reserved plus the device's
+  free bytes (``mem_get_info``), at most the limit set by ``set_per_process_memory_fraction``;
+- ``elastic_batches.testing.MemoryBudget`` (simulated device memory on a CPU): its live bytes, a
+  peak window, and ``limit_bytes``.
+
+MPS has no peak statistic in torch (``torch.mps`` reports the current allocation only), so it
+gets no probe, like the CPU: where no probe exists, the controller's OOM-driven search runs as
+it always did.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "device_probe"]
+
+
+class MemoryReading(NamedTuple):
+    """Memory of this process at one moment, in bytes.
+
+    Attributes:
+        in_use: Bytes allocated now.
+        capacity: Bytes this process may allocate in all (what is in use included); ``None``
+            when nothing limits it (a ``MemoryBudget`` without a limit): nothing can be predicted.
+
+    Example:
+        >>> from elastic_batches.memory import MemoryReading
+        >>> reading = MemoryReading(in_use=3 << 20, capacity=8 << 20)
+        >>> reading.capacity - reading.in_use
+        5242880
+    """
+
+    in_use: int
+    capacity: int | None
+
+
+class MemoryProbe(abc.ABC):
+    """Reports the memory of one device: in use, the peak of a window, the capacity.
+
+    Implement it for a device torch has no probe for, and pass it as
+    ``ElasticStep(model, memory=probe)``. Every method is called between microbatches, never
+    inside one, on the rank that owns the device.
+
+    Example:
+        >>> from elastic_batches.memory import MemoryProbe, MemoryReading
+        >>> class Fixed(MemoryProbe):  # a device with 1 MiB, of which 256 KiB are in use
+        ...     def memory_reading(self) -> MemoryReading:
+        ...         return MemoryReading(256 << 10, 1 << 20)
+        ...     def start_window(self) -> int:
+        ...         return 256 << 10
+        ...     def window_peak(self) -> int:
+        ...         return 512 << 10
+        >>> probe = Fixed()
+        >>> probe.start_window(), probe.window_peak() - (256 << 10)
+        (262144, 262144)
+    """
+
+    @abc.abstractmethod
+    def memory_reading(self) -> MemoryReading:
+        """The bytes in use now and the capacity."""
+
+    @abc.abstractmethod
+    def start_window(self) -> int:
+        """Start a new peak window (the peak becomes what is in use now); the bytes in use now."""
+
+    @abc.abstractmethod
+    def window_peak(self) -> int:
+        """The highest bytes in use since :meth:`start_window`."""
+
+
+class AcceleratorProbe(MemoryProbe):
+    """CUDA or XPU memory through ``torch.cuda`` / ``torch.xpu``.
+
+    The capacity is what the caching allocator may still reach: what it reserved (memory cached
+    for this process, free for its tensors though ``mem_get_info`` counts it as used) plus the
+    device's free bytes, at most ``get_per_process_memory_fraction`` of the device. Memory other
+    processes take shows as less free memory. Fragmentation of the cache is not visible here:
+    the controller's margin is kept for it, and grows after an OOM the model did not predict.
+
+    Starting a window resets the device's peak statistics (``reset_peak_memory_stats``), as
+    measuring a peak per microbatch must: read ``max_memory_allocated`` of a whole step yourself
+    with ``ElasticStep(..., memory=None)``.
+
+    Args:
+        device: A ``cuda`` or ``xpu`` device.
+
+    Raises:
+        ValueError: the device is of another type, or its backend is not available.
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.memory import AcceleratorProbe
+        >>> try:
+        ...     AcceleratorProbe(torch.device("cpu"))
+        ... except ValueError as err:
+        ...     print(str(err).split(":")[0])
+        AcceleratorProbe measures cuda or xpu memory, not cpu
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        if device.type not in ("cuda", "xpu"):
+            raise ValueError(
+                f"AcceleratorProbe measures cuda or xpu memory, not {device.type}: use device_probe(device), which "
+                "gives None where torch has no memory statistics"
+            )
+        module: Any = getattr(torch, device.type)
+        if not module.is_available():
+            raise ValueError(f"AcceleratorProbe: torch.{device.type} is not available in this process")
+        if device.index is None:
+            device = torch.device(device.type, module.current_device())
+        self.device = device
+        self._module = module
+
+    def __repr__(self) -> str:
+        return f"AcceleratorProbe({str(self.device)!r})"
+
+    def memory_reading(self) -> MemoryReading:
+        module, device = self._module, self.device
+        free, total = module.mem_get_info(device)
+        fraction = (
+            module.get_per_process_memory_fraction(device)
+            if hasattr(module, "get_per_process_memory_fraction")
+            else 1.0
+        )
+        capacity = min(int(total * fraction), int(module.memory_reserved(device)) + int(free))
+        return MemoryReading(int(module.memory_allocated(device)), capacity)
+
+    def start_window(self) -> int:
+        self._module.reset_peak_memory_stats(self.device)
+        return int(self._module.memory_allocated(self.device))
+
+    def window_peak(self) -> int:
+        return int(self._module.max_memory_allocated(self.device))
+
+
+def device_probe(device: torch.device | str | None) -> MemoryProbe | None:
+    """The probe of ``device``: an :class:`AcceleratorProbe` for CUDA and XPU, ``None`` elsewhere (CPU, MPS, meta).
+
+    Example:
+        >>> from elastic_batches.memory import device_probe
+        >>> device_probe("cpu") is None
+        True
+    """
+    if device is None:
+        return None
+    device = torch.device(device)
+    module = getattr(torch, device.type, None) if device.type in ("cuda", "xpu") else None
+    if module is None or not module.is_available():
+        return None
+    return AcceleratorProbe(device)

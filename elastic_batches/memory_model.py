@@ -1,0 +1,409 @@
+"""``MemoryModel``: the bytes an attempt at a batch needs, fitted from measured peaks.
+
+An attempt at a batch starts with some memory in use (the weights, the optimizer state, the
+batch). Over it, the model says, the attempt needs
+
+    retained + fixed + per_unit * size
+
+bytes at its peak, ``size`` being its largest microbatch in the controller's unit (rows, or
+padded tokens):
+
+- ``retained``: what the attempt keeps from its first microbatch to the end (the gradients it
+  accumulates into), measured as the growth of the memory in use from the start of the attempt to
+  the start of its second microbatch;
+- ``fixed + per_unit * size``: what one microbatch needs over the memory in use before it
+  (activations, temporaries, the gradient being accumulated), a line through the increments
+  measured for microbatches after the first of their attempt, raised until it lies on or above
+  every one (and above every failure: an OOM of a microbatch of ``size`` with ``b`` bytes free
+  says the increment at ``size`` exceeds ``b``).
+
+The first microbatch of an attempt creates the gradients while its activations are freed, so its
+increment differs from the others'; it bounds theirs from above (every gradient a later
+microbatch holds, the first had allocated at the same point of backward), and per unit through
+the origin until a later microbatch is measured: ``per_unit = increment / size``, which
+over-estimates any larger microbatch.
+
+Increments are kept per size (the latest measurement of each of the last sixteen sizes). The line
+is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls), else through the
+origin. A
+measurement more than 5% below what the line predicts at its size means memory per microbatch
+fell (a layer frozen, shorter shapes): the older points are dropped. Beyond the largest size
+measured, the increment is also at least that measurement continued at the slope of the
+measurements just below it, and at no less than 1.25 times the bytes per unit the forwards held
+(the saved activations, which backward needs, and a quarter more for their gradients): a peak is often the
+larger of two lines (the gradient being accumulated at small sizes, the activations at large
+ones), and a line fitted across both would under-estimate the larger sizes.
+
+A plan keeps the predicted peak under the capacity minus ``margin`` of it. An OOM that the model
+did not predict (it said the microbatch fits in what was free when it failed) widens the margin
+(``+ max(margin, 0.05)``, up to 0.5); after four, prediction turns itself off and the
+controller's OOM-driven search plans alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from elastic_batches.memory import MemoryReading
+
+__all__ = ["MemoryModel"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+_STATE_KEYS = frozenset(
+    {"version", "unit", "base_margin", "margin", "retained", "later", "first", "failures", "wrong", "enabled"}
+)
+_SIZES = 16  # increments kept, one per size
+_FIRSTS = 4  # first microbatches' increments kept
+_FAILURES = 4
+_SPREAD = 1.5  # sizes this far apart give the line its slope
+_FELL = 0.05  # a measurement this far below the line: memory per microbatch fell
+_MAX_MARGIN = 0.5
+_MAX_WRONG = 4  # OOMs the model did not predict, before prediction turns off
+_BACKWARD = 1.25  # a microbatch's peak over what its forward held: its saved activations, a quarter more
+
+
+def check_margin(owner: str, margin: Any) -> None:
+    """Refuse a margin that is not a float in ``[0, 0.5]``."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= _MAX_MARGIN:
+        raise ValueError(
+            f"{owner}: margin must be a fraction of the capacity in [0, {_MAX_MARGIN}] (0.05 keeps 5% free), or None "
+            f"to turn prediction off; got {margin!r}"
+        )
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 MiB``."""
+    size, unit = float(n), "bytes"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{int(size)} bytes" if unit == "bytes" else f"{size:.2f} {unit}"
+
+
+class MemoryModel:
+    """Fixed bytes plus bytes per row (or padded token), fitted from the peaks measured around microbatches.
+
+    Each :class:`SplitController` with a ``margin`` holds one (``controller.memory``);
+    :class:`ElasticStep` feeds it what its :class:`~elastic_batches.memory.MemoryProbe` measures.
+
+    Args:
+        margin: The fraction of the capacity a plan keeps free (fragmentation, what the model
+            does not see); it grows after an OOM the model did not predict.
+        unit: ``"rows"`` or ``"tokens"``: what a size counts.
+
+    Attributes:
+        retained: Bytes an attempt keeps from its first microbatch on (``None``: not measured yet).
+        fixed: Bytes a microbatch needs whatever its size, over what is in use before it.
+        per_unit: Bytes a microbatch needs per row (or padded token).
+        margin: The fraction of the capacity kept free now.
+        wrong: OOMs the model did not predict.
+        enabled: ``False`` once the model was wrong more than four times: it predicts nothing.
+
+    Example:
+        >>> from elastic_batches.memory import MemoryReading
+        >>> from elastic_batches.memory_model import MemoryModel
+        >>> model = MemoryModel(margin=0.05)
+        >>> model.observe(size=1, increment=500, first=True)  # the first microbatch of an attempt
+        >>> model.observe_retained(400)  # what it left allocated: the gradients
+        >>> model.observe(size=10, increment=1100, first=False)
+        >>> model.observe(size=20, increment=2100, first=False)
+        >>> model.fixed, model.per_unit, model.predict(20)
+        (100.0, 100.0, 2500)
+        >>> model.largest(MemoryReading(in_use=1000, capacity=3000))  # 2850 usable: 1000 + 400 + 100 + 13 * 100
+        13
+        >>> model.largest(MemoryReading(in_use=1000, capacity=6000))  # beyond 20: the slope from 10 to 20 goes on
+        42
+    """
+
+    def __init__(self, margin: float = 0.05, *, unit: str = "rows") -> None:
+        check_margin("MemoryModel", margin)
+        if unit not in ("rows", "tokens"):
+            raise ValueError(f"MemoryModel: unit must be 'rows' or 'tokens', got {unit!r}")
+        self.unit = unit
+        self.base_margin = float(margin)
+        self.margin = float(margin)
+        self.retained: int | None = None
+        self.fixed = 0.0
+        self.per_unit = 0.0
+        self.wrong = 0
+        self.enabled = True
+        self._later: dict[int, int] = {}  # size -> increment of a microbatch after the first, latest last
+        self._first: dict[int, int] = {}
+        self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
+        self._forward: dict[int, int] = {}  # size -> bytes a microbatch after the first held when its forward ended
+        self._spread = False  # the line's slope comes from sizes 1.5x apart (else: through the origin)
+        self._line_fixed = 0.0
+
+    def __repr__(self) -> str:
+        return f"MemoryModel({self.describe()})"
+
+    @property
+    def ready(self) -> bool:
+        """Whether the model can plan a whole attempt: a microbatch after a first one was measured."""
+        return self.enabled and bool(self._later) and self.retained is not None
+
+    def describe(self) -> str:
+        """The estimate in words, as logged: ``1.23 MiB + 12.00 KiB per row, margin 5%``."""
+        if not self.enabled:
+            return f"off after {self.wrong} OOMs it did not predict"
+        if not (self._later or self._first):
+            return f"nothing measured yet, margin {self.margin:.0%}"
+        unit = "row" if self.unit == "rows" else "token"
+        fixed = (self.retained or 0) + self.fixed
+        return f"{format_bytes(fixed)} + {format_bytes(self.per_unit)} per {unit}, margin {self.margin:.0%}"
+
+    # -- what it predicts ---------------------------------------------------------------------
+
+    def increment(self, size: int) -> int:
+        """Bytes a microbatch of ``size`` needs over the memory in use before it.
+
+        Up to the largest size measured, the line. Beyond it, also at least the largest
+        measurement continued at the slope of the measurements nearest below it (the secant
+        from the largest size a third or more below), and at no less than 1.25 times the bytes
+        the forwards held per unit (what backward frees: the saved activations, and a quarter
+        more for their gradients): a peak is often the larger of two lines (the gradient being
+        accumulated at small sizes, the activations at large ones), and a line fitted across
+        both would under-estimate the larger sizes.
+        """
+        line = self.fixed + self.per_unit * size
+        top = self._top()
+        if top is not None and size > top[0]:
+            line = max(line, top[1] + self._beyond_slope() * (size - top[0]))
+        return math.ceil(round(line, 6))  # not a byte more for float rounding
+
+    def _top(self) -> tuple[int, int] | None:
+        """The largest size measured after a first microbatch, and its increment."""
+        if not self._later:
+            return None
+        size = max(self._later)
+        return size, self._later[size]
+
+    def _top_slope(self) -> float:
+        """Bytes per unit at the largest size measured: the secant from the largest size a third below, else
+        through the origin."""
+        top = self._top()
+        assert top is not None
+        below = [s for s in self._later if s * _SPREAD <= top[0]]
+        if not below:
+            return top[1] / top[0]
+        low = max(below)
+        return max(0.0, (top[1] - self._later[low]) / (top[0] - low))
+
+    def _beyond_slope(self) -> float:
+        """Bytes per unit beyond the largest size measured: the secant there, at least 1.25x what forwards held."""
+        forward = max((held / size for size, held in self._forward.items()), default=0.0)
+        return max(self._top_slope(), _BACKWARD * forward)
+
+    def predict(self, size: int) -> int:
+        """Bytes an attempt whose largest microbatch has ``size`` needs over the memory in use at its start."""
+        return (self.retained or 0) + self.increment(size)
+
+    def largest(self, reading: MemoryReading, *, started: bool = False, margin: float | None = None) -> int:
+        """The largest microbatch (in the unit) whose predicted peak keeps ``margin`` of the capacity free.
+
+        Args:
+            reading: The memory now.
+            started: The attempt has run its first microbatch: ``retained`` is in use already.
+            margin: Another margin than the model's own (0: the capacity whole).
+
+        Returns:
+            A size, 0 when not even the fixed part fits or nothing is known.
+        """
+        if reading.capacity is None or not (self._later or self._first):
+            return 0
+        available = reading.capacity * (1.0 - (self.margin if margin is None else margin)) - reading.in_use
+        if not started:
+            available -= self.retained or 0
+        if available < self.fixed:
+            return 0
+        size = (1 << 62) if self.per_unit <= 0 else int((available - self.fixed) // self.per_unit)
+        top = self._top()
+        if top is not None and size > top[0]:
+            slope = self._beyond_slope()
+            if slope > 0:
+                size = max(top[0], min(size, top[0] + int((available - top[1]) // slope)))
+        return size
+
+    def observe(self, size: int, increment: int, *, first: bool, forward: int | None = None) -> None:
+        """A microbatch of ``size`` took ``increment`` bytes at its peak over what was in use before it.
+
+        Args:
+            size: Its size in the unit.
+            increment: Its peak minus the bytes in use when it started.
+            first: It was the first microbatch of its attempt.
+            forward: The bytes it held over that when its forward ended (``None``: not measured).
+        """
+        if size < 1:
+            return
+        increment = max(0, int(increment))
+        points = self._first if first else self._later
+        if not first and forward is not None:
+            self._forward.pop(size, None)
+            self._forward[size] = max(0, int(forward))
+            while len(self._forward) > _FIRSTS:
+                self._forward.pop(next(iter(self._forward)))
+        if not first and increment < (1.0 - _FELL) * self._expected(size):
+            self._later.clear()  # memory per microbatch fell: what was measured before no longer holds
+        points.pop(size, None)
+        points[size] = increment
+        while len(points) > (_FIRSTS if first else _SIZES):
+            points.pop(next(iter(points)))
+        if not first:  # a failure that a larger microbatch contradicts no longer holds
+            for failed in [s for s, free in self._failures.items() if s <= size and free >= increment]:
+                del self._failures[failed]
+        self._fit()
+
+    def _expected(self, size: int) -> float:
+        """What the measurements say a later microbatch of ``size`` takes: at that size, or on a fitted line."""
+        if size in self._later:
+            return self._later[size]
+        if self._spread:
+            return self._line_fixed + self.per_unit * size
+        return 0.0
+
+    def observe_retained(self, nbytes: int) -> None:
+        """The memory in use grew by ``nbytes`` from the start of an attempt to its second microbatch."""
+        self.retained = max(0, int(nbytes))
+
+    def observe_failure(self, size: int, free: int, *, first: bool) -> bool:
+        """A microbatch of ``size`` ran out of memory with ``free`` bytes of the capacity free when it started.
+
+        The model is refitted so that it predicts the failure. Returns whether the model was
+        wrong: it had predicted that the microbatch fits in ``free`` (then the margin widens);
+        a failure it predicted (the capacity shrank after the plan) changes only the fit.
+        """
+        if first:  # the first microbatch's peak is bounded by the whole attempt's: retained + increment
+            need, bound = self.predict(size), free - (self.retained or 0)
+        else:
+            need, bound = self.increment(size), free
+        wrong = self.enabled and bool(self._later or self._first) and need <= free
+        self._failures.pop(size, None)
+        self._failures[size] = max(0, int(bound))
+        while len(self._failures) > _FAILURES:
+            self._failures.pop(next(iter(self._failures)))
+        self._fit()
+        if wrong:
+            self.widen(f"a microbatch of {size} {self.unit} ran out of memory where it predicted {format_bytes(need)}")
+        return wrong
+
+    def widen(self, why: str) -> None:
+        """An OOM the model did not predict: keep more of the capacity free; after four, predict nothing."""
+        self.wrong += 1
+        before = self.margin
+        self.margin = min(_MAX_MARGIN, self.margin + max(self.margin, 0.05))
+        if self.wrong > _MAX_WRONG:
+            self.enabled = False
+            logger.info(
+                "memory model: %s, the %d. OOM it did not predict: prediction off, the OOM-driven search plans alone",
+                why,
+                self.wrong,
+            )
+            return
+        logger.info("memory model: %s: margin %.0f%% -> %.0f%%", why, 100 * before, 100 * self.margin)
+
+    def _fit(self) -> None:
+        points = self._later or self._first
+        if not points:
+            self.fixed = self.per_unit = 0.0
+            return
+        sizes = list(points)
+        slope = 0.0
+        self._spread = len(sizes) >= 2 and max(sizes) >= _SPREAD * min(sizes)
+        if self._spread:
+            mean_s = sum(sizes) / len(sizes)
+            mean_y = sum(points.values()) / len(sizes)
+            var = sum((s - mean_s) ** 2 for s in sizes)
+            slope = max(0.0, sum((s - mean_s) * (y - mean_y) for s, y in points.items()) / var)
+        else:  # through the origin: an upper bound for any larger microbatch
+            slope = max(y / s for s, y in points.items())
+        fixed = max(0.0, max(y - slope * s for s, y in points.items()))
+        self._line_fixed = fixed  # the line through the measurements alone
+        for size, free in self._failures.items():
+            fixed = max(fixed, free + 1 - slope * size)
+        self.per_unit, self.fixed = slope, fixed
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the model measured, as plain values (the fit is recomputed from them).
+
+        Example:
+            >>> from elastic_batches.memory_model import MemoryModel
+            >>> a = MemoryModel()
+            >>> a.observe(4, 4000, first=False)
+            >>> b = MemoryModel()
+            >>> b.load_state_dict(a.state_dict())
+            >>> b.per_unit
+            1000.0
+        """
+        return {
+            "version": _STATE_VERSION,
+            "unit": self.unit,
+            "base_margin": self.base_margin,
+            "margin": self.margin,
+            "retained": self.retained,
+            "later": [[s, y] for s, y in self._later.items()],
+            "first": [[s, y] for s, y in self._first.items()],
+            "failures": [[s, y] for s, y in self._failures.items()],
+            "wrong": self.wrong,
+            "enabled": self.enabled,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; every field is checked before any is applied.
+
+        The margin restored is the larger of this model's own ``margin`` and the saved one.
+
+        Raises:
+            ValueError: a key is missing or unexpected, the version or unit differs, or a field
+                has the wrong type or range (named); the model is then unchanged.
+        """
+        from elastic_batches._state import check_state_dict
+
+        check_state_dict("MemoryModel", state, _STATE_KEYS, _STATE_VERSION)
+        if state["unit"] != self.unit:
+            raise _error("unit", f"{self.unit!r} (the controller's unit)", state["unit"])
+        for key in ("base_margin", "margin"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _MAX_MARGIN:
+                raise _error(key, f"a number in [0, {_MAX_MARGIN}]", value)
+        retained = state["retained"]
+        if retained is not None and (isinstance(retained, bool) or not isinstance(retained, int) or retained < 0):
+            raise _error("retained", "None or an int >= 0", retained)
+        for key in ("later", "first", "failures"):
+            pairs = state[key]
+            if not isinstance(pairs, (list, tuple)) or not all(
+                isinstance(p, (list, tuple))
+                and len(p) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+                and p[0] >= 1
+                and p[1] >= 0
+                for p in pairs
+            ):
+                raise _error(key, "a list of [size >= 1, bytes >= 0] pairs", pairs)
+        wrong = state["wrong"]
+        if isinstance(wrong, bool) or not isinstance(wrong, int) or wrong < 0:
+            raise _error("wrong", "an int >= 0", wrong)
+        if not isinstance(state["enabled"], bool):
+            raise _error("enabled", "a bool", state["enabled"])
+        self.margin = max(self.base_margin, float(state["margin"]))
+        self.retained = retained
+        self._later = {s: y for s, y in state["later"]}
+        self._first = {s: y for s, y in state["first"]}
+        self._failures = {s: y for s, y in state["failures"]}
+        self.wrong = wrong
+        self.enabled = state["enabled"]
+        self._fit()
+
+
+def _error(key: str, expected: str, value: Any) -> ValueError:
+    return ValueError(
+        f"MemoryModel.load_state_dict: state[{key!r}] must be {expected}, got {value!r}; nothing was loaded. "
+        "Pass a dict produced by MemoryModel.state_dict() (or SplitController.state_dict())"
+    )

@@ -1,0 +1,228 @@
+"""``memory`` and ``memory_model``: the probes, and the model fitted from what they measure.
+
+The model's numbers are exact: measurements are made-up integers, so the fit is checked to the
+byte (``fixed`` and ``per_unit`` of a line through exact points are exact in float64).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from elastic_batches.memory import AcceleratorProbe, MemoryReading, device_probe
+from elastic_batches.memory_model import MemoryModel
+from elastic_batches.testing import MemoryBudget
+
+
+def _linear(model: MemoryModel, fixed: int, per_unit: int, sizes: list[int], retained: int = 0) -> MemoryModel:
+    model.observe(sizes[0], fixed + per_unit * sizes[0] + retained, first=True)
+    model.observe_retained(retained)
+    for size in sizes[1:]:
+        model.observe(size, fixed + per_unit * size, first=False)
+    return model
+
+
+def test_a_line_through_exact_measurements_is_found_exactly() -> None:
+    model = _linear(MemoryModel(), fixed=3000, per_unit=700, sizes=[1, 10, 40, 25], retained=5000)
+    assert (model.fixed, model.per_unit, model.retained) == (3000.0, 700.0, 5000)
+    assert model.predict(30) == 5000 + 3000 + 21000
+    # 50_000 * 0.95 - 10_000 in use - 5000 retained = 32_500: 3000 + 42 * 700 (beyond the 40 measured, the slope
+    # from 25 to 40 rows is the line's)
+    assert model.largest(MemoryReading(10_000, 50_000)) == 42
+    assert model.largest(MemoryReading(10_000, 40_000)) == 28  # within what was measured: the line, 3000 + 28 * 700
+    assert model.largest(MemoryReading(10_000, 50_000), started=True) == 49  # the retained bytes in use already
+
+
+def test_beyond_the_largest_size_measured_the_increment_grows_at_least_in_proportion() -> None:
+    # a peak that is the larger of two lines: 30_000 bytes of gradient below 15 rows, 2000 per row above
+    model = MemoryModel()
+    model.observe(1, 30_000, first=True)
+    model.observe_retained(0)
+    for size in (2, 4, 8):  # the forward holds the activations: 1600 bytes per row
+        model.observe(size, max(30_000, 2000 * size), first=False, forward=1600 * size)
+    assert model.increment(8) == 30_000 and model.increment(32) >= 2000 * 32  # the line alone would say 30_000
+    # 95_000 bytes: from 8 rows (30_000) on at 1.25 x 1600 per row, 40 rows (47 would fit: it errs on the safe side)
+    assert model.largest(MemoryReading(0, 100_000)) == 40
+
+
+def test_beyond_the_largest_size_the_slope_just_below_it_continues() -> None:
+    model = MemoryModel()
+    model.observe(1, 5000, first=True)
+    model.observe_retained(0)
+    for size in (1, 2, 3, 4, 6):  # flat up to 3 rows, then 3000 per row
+        model.observe(size, max(9000, 3000 * size), first=False)
+    assert model.increment(10) >= 30_000  # the line through all of them would say 25_400
+    assert all(model.increment(s) >= max(9000, 3000 * s) for s in (1, 2, 3, 4, 6))
+
+
+def test_before_a_second_size_the_line_goes_through_the_origin_and_over_every_point() -> None:
+    model = MemoryModel()
+    model.observe(1, 9000, first=True)  # the first microbatch alone: an upper bound per row
+    assert (model.fixed, model.per_unit, model.ready) == (0.0, 9000.0, False)
+    model.observe_retained(4000)
+    model.observe(20, 20_000, first=False)
+    model.observe(21, 20_500, first=False)  # 20 and 21 rows do not spread enough for a slope
+    assert model.ready and model.per_unit == 1000.0
+    assert all(model.increment(s) >= y for s, y in ((20, 20_000), (21, 20_500)))
+
+
+def test_the_line_lies_above_every_measurement_and_failure() -> None:
+    model = _linear(MemoryModel(), fixed=1000, per_unit=100, sizes=[1, 10, 30])
+    model.observe(20, 1000 + 100 * 20 + 400, first=False)  # one microbatch above the line
+    assert all(model.increment(s) >= 1000 + 100 * s for s in (10, 30)) and model.increment(20) >= 3400
+    wrong = model.observe_failure(25, free=5000, first=False)  # 25 rows did not fit in 5000 bytes free
+    assert wrong and model.increment(25) > 5000
+
+
+def test_an_oom_it_did_not_predict_widens_the_margin_and_after_four_prediction_turns_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="elastic_batches.memory_model")
+    model = _linear(MemoryModel(0.05), fixed=0, per_unit=100, sizes=[1, 10, 30])
+    margins = []
+    for size in (12, 13, 14, 15, 16):
+        model.observe_failure(size, free=10 * size * 100, first=False)  # predicted 100 * size: far below the free
+        margins.append(model.margin)
+    assert margins == [0.10, 0.20, 0.40, 0.50, 0.50] and model.wrong == 5
+    assert not model.enabled and not model.ready and model.describe() == "off after 5 OOMs it did not predict"
+    assert caplog.records[0].getMessage() == (
+        "memory model: a microbatch of 12 rows ran out of memory where it predicted 1.17 KiB: margin 5% -> 10%"
+    )
+    assert "prediction off" in caplog.records[-1].getMessage()
+
+
+def test_a_failure_it_predicted_changes_the_fit_only() -> None:
+    model = _linear(MemoryModel(0.05), fixed=0, per_unit=100, sizes=[1, 10, 30])
+    assert not model.observe_failure(30, free=2000, first=False)  # needs 3000: the capacity shrank under the plan
+    assert (model.margin, model.wrong) == (0.05, 0)
+
+
+def test_a_first_microbatch_that_fails_is_weighed_with_the_retained_bytes() -> None:
+    model = _linear(MemoryModel(), fixed=0, per_unit=100, sizes=[1, 10, 30], retained=5000)
+    assert model.observe_failure(20, free=8000, first=True)  # predicted 5000 + 2000 <= 8000: wrong
+    assert model.predict(20) > 8000
+
+
+def test_memory_that_falls_drops_the_older_measurements() -> None:
+    model = _linear(MemoryModel(), fixed=2000, per_unit=100, sizes=[1, 10, 40])
+    model.observe(40, 1000 + 100 * 40, first=False)  # a layer frozen: 1000 bytes less per microbatch
+    assert model.increment(40) == 5000 and model.per_unit == 125.0  # through the one point left
+
+
+def test_a_larger_success_contradicts_an_older_failure() -> None:
+    model = _linear(MemoryModel(), fixed=0, per_unit=100, sizes=[1, 10, 30])
+    model.observe_failure(20, free=1500, first=False)
+    assert model.increment(20) > 1500
+    model.observe(25, 2500, first=False)  # 25 rows took 2500: the failure at 20 no longer holds
+    assert model.increment(20) == 2000
+
+
+def test_state_round_trip_refits_the_same_model() -> None:
+    model = _linear(MemoryModel(0.1, unit="tokens"), fixed=300, per_unit=7, sizes=[64, 640, 1280], retained=99)
+    model.observe_failure(2000, free=10_000, first=False)
+    state = model.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    restored = MemoryModel(0.05, unit="tokens")
+    restored.load_state_dict(copy.deepcopy(state))
+    assert restored.state_dict() == {**state, "base_margin": 0.05}  # its own margin, at least the saved one
+    assert (restored.fixed, restored.per_unit, restored.retained, restored.margin) == (
+        model.fixed,
+        model.per_unit,
+        99,
+        model.margin,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"later": [[0, 5]]}, r"state\['later'\] must be a list of \[size >= 1, bytes >= 0\] pairs, got \[\[0, 5\]\]"),
+        ({"margin": 0.9}, r"state\['margin'\] must be a number in \[0, 0.5\], got 0.9"),
+        ({"unit": "tokens"}, r"state\['unit'\] must be 'rows' \(the controller's unit\), got 'tokens'"),
+        ({"extra": 1}, r"missing keys \[\], unexpected keys \['extra'\]"),
+    ],
+    ids=["pairs", "margin", "unit", "unexpected"],
+)
+def test_a_bad_state_is_named_and_nothing_is_loaded(change: dict[str, Any], message: str) -> None:
+    model = _linear(MemoryModel(), fixed=10, per_unit=10, sizes=[1, 5, 20])
+    before = model.state_dict()
+    with pytest.raises(ValueError, match=message):
+        model.load_state_dict({**before, **change})
+    assert model.state_dict() == before
+
+
+def test_margin_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"MemoryModel: margin must be a fraction of the capacity in \[0, 0.5\]"):
+        MemoryModel(0.7)
+
+
+# -- probes --------------------------------------------------------------------------------------
+
+
+def test_a_memory_budget_window_leaves_its_peak_bytes_alone() -> None:
+    budget = MemoryBudget(limit_bytes=1 << 20)
+    with budget:
+        big = torch.ones(1000)
+        del big
+        before = budget.start_window()
+        small = torch.ones(10)
+    assert (before, budget.window_peak(), budget.peak_bytes) == (0, 40, 4000)
+    assert budget.memory_reading() == MemoryReading(40, 1 << 20)
+    del small
+
+
+def test_no_probe_on_a_cpu_and_the_accelerator_probe_says_which_devices_it_measures() -> None:
+    assert device_probe("cpu") is None and device_probe(None) is None
+    with pytest.raises(ValueError, match="AcceleratorProbe measures cuda or xpu memory, not cpu: use device_probe"):
+        AcceleratorProbe("cpu")
+
+
+class _FakeCuda:
+    """What torch.cuda reports on a 16 GiB device: 6 GiB allocated, 8 GiB reserved (2 GiB cached), 5 GiB free."""
+
+    GiB = 1 << 30
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction, self.resets = fraction, 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def mem_get_info(self, device: Any) -> tuple[int, int]:
+        return 5 * self.GiB, 16 * self.GiB
+
+    def get_per_process_memory_fraction(self, device: Any) -> float:
+        return self.fraction
+
+    def memory_reserved(self, device: Any) -> int:
+        return 8 * self.GiB
+
+    def memory_allocated(self, device: Any) -> int:
+        return 6 * self.GiB
+
+    def max_memory_allocated(self, device: Any) -> int:
+        return 7 * self.GiB
+
+    def reset_peak_memory_stats(self, device: Any) -> None:
+        self.resets += 1
+
+
+@pytest.mark.parametrize(("fraction", "capacity"), [(1.0, 13), (0.5, 8)], ids=["whole-device", "fraction-0.5"])
+def test_the_cuda_probe_counts_the_allocator_cache_as_free_and_keeps_to_the_fraction(
+    monkeypatch: pytest.MonkeyPatch, fraction: float, capacity: int
+) -> None:
+    fake = _FakeCuda(fraction)
+    monkeypatch.setattr(torch, "cuda", fake)
+    probe = AcceleratorProbe("cuda")
+    # capacity: reserved (8, of which 2 cached and free for this process's tensors) + 5 free, at most fraction x 16
+    assert probe.memory_reading() == MemoryReading(6 * fake.GiB, capacity * fake.GiB)
+    assert (probe.start_window(), probe.window_peak(), fake.resets) == (6 * fake.GiB, 7 * fake.GiB, 1)
+    assert repr(probe) == "AcceleratorProbe('cuda:0')"
