@@ -14,8 +14,9 @@ padded tokens):
 - ``fixed + per_unit * size``: what one microbatch needs over the memory in use before it
   (activations, temporaries, the gradient being accumulated), a line through the increments
   measured for microbatches after the first of their attempt, raised until it lies on or above
-  every one (and above every failure: an OOM of a microbatch of ``size`` with ``b`` bytes free
-  says the increment at ``size`` exceeds ``b``).
+  every one. A failure (an OOM of a microbatch of ``size`` with ``b`` bytes free) says the
+  increment at ``size`` and beyond exceeds ``b``; between the largest size measured below it and
+  ``size`` the increment rises on a line to that bound, and the sizes measured keep their line.
 
 The first microbatch of an attempt creates the gradients while its activations are freed, so its
 increment differs from the others'; it bounds theirs from above (every gradient a later
@@ -171,11 +172,34 @@ class MemoryModel:
         accumulated at small sizes, the activations at large ones), and a line fitted across
         both would under-estimate the larger sizes.
         """
+        return math.ceil(round(max(self._measured(size), self._failed(size)), 6))  # not a byte more for float rounding
+
+    def _measured(self, size: int) -> float:
+        """What the measurements say: the line, and beyond the largest size measured its continuation."""
         line = self.fixed + self.per_unit * size
         top = self._top()
         if top is not None and size > top[0]:
             line = max(line, top[1] + self._beyond_slope() * (size - top[0]))
-        return math.ceil(round(line, 6))  # not a byte more for float rounding
+        return line
+
+    def _failed(self, size: int) -> float:
+        """What the failures say a microbatch of ``size`` needs at least (0: nothing).
+
+        A failure at ``failed`` with ``free`` bytes free: more than ``free`` from ``failed`` on; from the
+        largest size measured below ``failed``, a line up to that bound.
+        """
+        bound = 0.0
+        measured = self._later or self._first
+        for failed, free in self._failures.items():
+            if size >= failed:
+                bound = max(bound, free + 1.0)
+                continue
+            below = [s for s in measured if s < failed]
+            low = max(below, default=0)
+            if size > low:
+                base = self._measured(low) if low else 0.0
+                bound = max(bound, base + (free + 1.0 - base) * (size - low) / (failed - low))
+        return bound
 
     def _top(self) -> tuple[int, int] | None:
         """The largest size measured after a first microbatch, and its increment."""
@@ -228,6 +252,12 @@ class MemoryModel:
             slope = self._beyond_slope()
             if slope > 0:
                 size = max(top[0], min(size, top[0] + int((available - top[1]) // slope)))
+        if self._failures and self._failed(size) > available:  # the largest size the failures leave (monotone)
+            low, high = 0, size
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if self.increment(middle) <= available else (low, middle - 1)
+            size = low
         return size
 
     def observe(self, size: int, increment: int, *, first: bool, forward: int | None = None) -> None:
@@ -324,8 +354,6 @@ class MemoryModel:
             slope = max(y / s for s, y in points.items())
         fixed = max(0.0, max(y - slope * s for s, y in points.items()))
         self._line_fixed = fixed  # the line through the measurements alone
-        for size, free in self._failures.items():
-            fixed = max(fixed, free + 1 - slope * size)
         self.per_unit, self.fixed = slope, fixed
 
     # -- state --------------------------------------------------------------------------------
