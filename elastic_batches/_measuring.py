@@ -19,6 +19,7 @@ from typing import Any
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed.guard import PeerFailure
+from elastic_batches.distributed.protocol import GradientSync
 from elastic_batches.memory import MemoryProbe, MemoryReading
 from elastic_batches.memory_model import MemoryModel
 from elastic_batches.oom import is_oom_error
@@ -94,6 +95,7 @@ class Meter:
 def measured_pieces(
     batch: ElasticBatch,
     controller: SplitController,
+    sync: GradientSync,
     meter: Meter,
     lead: int,
     smallest: int,
@@ -105,7 +107,10 @@ def measured_pieces(
     Each microbatch is cut inside its window (``meter.begin``); the caller closes it. With
     ``count_fn``, the weights divide by its count over the whole batch, counted first; should the
     pieces' counts add up to another total, ``attempt.rescale`` says by how much the gradients
-    must be scaled. When the attempt ends, every microbatch gets the final ``count``.
+    must be scaled (where the ranks' microbatches are paired, FSDP2 per module, none: their
+    gradients are reduced as they go, each weighed by the same total; the vote's totals correct
+    it). ``sync`` agrees on each microbatch's count with the peers (:meth:`GradientSync.agree_pieces`).
+    When the attempt ends, every microbatch gets the final ``count``.
     ``attempt.size`` is the largest piece cut so far, ``attempt.total`` the weight total.
     """
     rows = len(batch)
@@ -113,6 +118,7 @@ def measured_pieces(
     estimate = 1.0
     if count_fn is not None:
         estimate = float(count_fn(batch.microbatch(0, rows).unwrap())) or 1.0
+    sync.weigh(estimate if count_fn is not None else float(rows))
     made: list[Microbatch] = []
     counts: list[float] = []
     start, planned = 0, 2
@@ -124,6 +130,7 @@ def measured_pieces(
         else:
             rest = load.tail(start)
             count = controller.plan_rest(rest, meter.probe.memory_reading(), done=index)
+            count = sync.agree_pieces(count, (rows - start) // smallest)
             take, planned = rest.sizes(count)[0], index + count
         take = max(take, smallest)
         if rows - start - take < smallest:  # no piece smaller than the smallest allowed at the end
@@ -142,6 +149,6 @@ def measured_pieces(
     for mb in made:
         mb.count = len(made)
     attempt.total = math.fsum(counts) if count_fn is not None else float(rows)
-    if count_fn is not None and attempt.total and attempt.total != estimate:
+    if count_fn is not None and attempt.total and attempt.total != estimate and not sync.pairs_microbatches:
         attempt.rescale = estimate / attempt.total  # count_fn did not add up over the pieces: weights by the real total
     logger.debug("measured attempt: %d microbatches of %s rows", len(made), [len(mb) for mb in made])

@@ -407,14 +407,15 @@ class ElasticStep:
                 reading = None if probe is None else probe.memory_reading()
                 if reading is not None and reading.capacity is None:
                     reading = None  # nothing limits memory: nothing to predict
-                count = self.sync.agree_count(self.controller.plan(load, tag=tag, memory=reading))
+                count = self.controller.plan(load, tag=tag, memory=reading)
+                lead = 0 if reading is None else self.controller.measurement(load, smallest=self._smallest_rows())
+                count, lead = self.sync.agree_plan(count, lead)
                 attempt = _Attempt(size=load.size_at(count))
                 if reading is not None:
                     assert probe is not None and self.controller.memory is not None
                     attempt.meter = Meter(probe, self.controller.memory, reading)
-                    if not self.sync.pairs_microbatches:  # else every rank cuts as planned, as many pieces
-                        attempt.lead = self.controller.measurement(load, smallest=self._smallest_rows())
-                    if attempt.lead:
+                    attempt.lead = lead
+                    if lead:
                         attempt.size = 0  # the pieces' sizes are decided as they are cut
                 try:
                     if not saved:  # inside the attempt: what saving allocates is the attempt's
@@ -496,7 +497,7 @@ class ElasticStep:
             microbatches: Iterable[Microbatch]
             if meter is not None and attempt.lead:
                 microbatches = measured_pieces(
-                    batch, self.controller, meter, attempt.lead, self._smallest_rows(), count_fn, attempt
+                    batch, self.controller, self.sync, meter, attempt.lead, self._smallest_rows(), count_fn, attempt
                 )
             else:
                 microbatches = batch.microbatches(count, balance=self.controller.unit)

@@ -803,8 +803,12 @@ def test_controller_state_is_the_same_on_every_rank_and_resumes_without_oom(rank
 # -- predicted microbatches: each rank's capacity in the vote --------------------------------------
 
 
-def _predicted(rank: int, world: int, kind: str, gather: str) -> dict[str, Any]:
-    """Each rank measures with its own budget, rank 1's tighter; every step after the first runs one agreed plan."""
+def _predicted(rank: int, world: int, kind: str, gather: str, oom_at: int | None = None) -> dict[str, Any]:
+    """Each rank measures with its own budget, rank 1's tighter; every step after the first runs one agreed plan.
+
+    ``oom_at``: the forward call (from 0) in which rank 1 runs out of memory besides, an OOM the
+    model did not predict.
+    """
     rows, steps = 256, 4
 
     def peak(split_count: int) -> int:
@@ -823,23 +827,27 @@ def _predicted(rank: int, world: int, kind: str, gather: str) -> dict[str, Any]:
     controller = eb.SplitController()
     step = eb.ElasticStep(model, controller=controller, memory=budget, gather=gather)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    plans, failed = [], []
-    for i in range(steps):
-        seen: list[int] = []
-        before = controller.oom_count
+    with contextlib.ExitStack() as stack:
+        if oom_at is not None:
+            first = (model.module if kind == "ddp" else model)[0]
+            stack.enter_context(inject_oom(first, phase="forward", calls=oom_at, rank=1))
+        plans, failed = [], []
+        for i in range(steps):
+            seen: list[int] = []
+            before = controller.oom_count
 
-        def loss_fn(mb: eb.Microbatch, seen: list[int] = seen) -> torch.Tensor:
-            if mb.index == 0:
-                seen.clear()
-            seen.append(len(mb))
-            return _loss_fn(model)(mb.unwrap())
+            def loss_fn(mb: eb.Microbatch, seen: list[int] = seen) -> torch.Tensor:
+                if mb.index == 0:
+                    seen.clear()
+                seen.append(len(mb))
+                return _loss_fn(model)(mb.unwrap())
 
-        optimizer.zero_grad(set_to_none=True)
-        with budget:
-            step.backward(_batch(i, rank, rows), loss_fn, unwrap=False)
-        optimizer.step()
-        plans.append(list(seen))
-        failed.append(controller.oom_count - before)  # attempts that failed on some rank
+            optimizer.zero_grad(set_to_none=True)
+            with budget:
+                step.backward(_batch(i, rank, rows), loss_fn, unwrap=False)
+            optimizer.step()
+            plans.append(list(seen))
+            failed.append(controller.oom_count - before)  # attempts that failed on some rank
     return {
         "plans": plans,
         "ooms": budget.oom_count + controller.oom_count,
@@ -864,16 +872,35 @@ def test_ranks_with_unequal_memory_agree_on_one_predicted_plan_without_an_oom(
     for result in results:
         assert result["predicting"]
         assert _relative_error(result["weights"], want) <= RTOL
-        if gather == "module":  # collectives pair the microbatches: the first batch is cut as planned, no measuring
-            assert result["plans"] == results[0]["plans"] and result["failed"][1:] == [0, 0, 0]
-            assert results[0]["plans"][0][0] > 1
-        else:
-            assert result["ooms"] == 0
-            assert result["plans"][0][0] == 1  # the first batch: a measuring microbatch, then cut as predicted
+        assert result["ooms"] == 0
+        assert result["plans"][0][0] == 1  # the first batch: a measuring microbatch, then cut as predicted
+        if gather == "module":  # collectives pair the microbatches: every rank cuts as many, each agreed
+            assert [len(plan) for plan in result["plans"]] == [len(plan) for plan in results[0]["plans"]]
     # The first vote forecast from memory before DDP's buckets existed; a rank that sees less free memory at the
     # next step plans for it. From the second vote on, one plan: the smallest capacity in the vote, rank 1's.
     assert results[0]["plans"][2:] == results[1]["plans"][2:]
     assert all(len(plan) >= 5 for result in results for plan in result["plans"][1:])  # rank 1 needs 5 or more
+
+
+@pytest.mark.parametrize(("kind", "gather"), [("ddp", "auto"), ("fsdp", "module")])
+@pytest.mark.parametrize("oom_at", [2, 4])
+def test_an_oom_on_one_rank_while_measuring_is_retried_by_every_rank(
+    ranks: RankPool, kind: str, gather: str, oom_at: int
+) -> None:
+    """Rank 1 fails in an early or a late microbatch of the measuring attempt: no hang, exact weights."""
+    results = ranks.run(_predicted, kind, gather, oom_at, timeout=60)
+    reference = _plain_model(width=64)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for i in range(4):
+        optimizer.zero_grad()
+        _loss_fn(reference)(_union_batch(i, [256, 256])).backward()
+        optimizer.step()
+    want = _full(p for p in reference.parameters())
+    for result in results:
+        assert _relative_error(result["weights"], want) <= RTOL
+        assert result["failed"][0] >= 1 and result["failed"][1:] == [0, 0, 0]  # every rank retried the batch
+        if gather == "module":  # collectives pair the microbatches: every rank cut as many, each agreed
+            assert [len(plan) for plan in result["plans"]] == [len(plan) for plan in results[0]["plans"]]
 
 
 # -- FSDP2 with mixed precision, and forward-only stages ------------------------------------------

@@ -99,8 +99,11 @@ class AutoGather(GradientSync):
     def pairs_microbatches(self) -> bool:
         return self.active.pairs_microbatches
 
-    def agree_count(self, count: int) -> int:
-        return self.active.agree_count(count)
+    def agree_plan(self, count: int, lead: int) -> tuple[int, int]:
+        return self.active.agree_plan(count, lead)
+
+    def agree_pieces(self, count: int, room: int) -> int:
+        return self.active.agree_pieces(count, room)
 
     def weigh(self, total: float) -> None:
         self.active.weigh(total)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from elastic_batches.distributed.fsdp2 import FSDPLayout
-from elastic_batches.distributed.guard import CollectiveGuard, guarded_comms
+from elastic_batches.distributed.guard import PIECES_OP, CollectiveGuard, guarded_comms
 from elastic_batches.distributed.protocol import GradientSync, Verdict, agreement_of, check_values, verdict_of
 from elastic_batches.oom import Status
 
@@ -84,11 +84,18 @@ class ShardPerModule(GradientSync):
     def pairs_microbatches(self) -> bool:
         return True
 
-    def agree_count(self, count: int) -> int:
-        # FSDP2's collectives pair the ranks' microbatches: every rank cuts as many (one side-channel round).
+    # FSDP2's collectives pair the ranks' microbatches: every rank cuts as many (one side-channel round each).
+    def agree_plan(self, count: int, lead: int) -> tuple[int, int]:
+        if self.guard.world_size == 1:
+            return count, lead
+        rows = self.guard.agree(Status.OK, (float(count), float(lead)))
+        return int(max(row[1] for row in rows)), int(min(row[2] for row in rows))
+
+    def agree_pieces(self, count: int, room: int) -> int:
         if self.guard.world_size == 1:
             return count
-        return int(max(row[1] for row in self.guard.agree(Status.OK, (float(count),))))
+        rows = self.guard.agree_within(PIECES_OP, (float(count), float(room)))
+        return max(1, min(int(max(row[0] for row in rows)), int(min(row[1] for row in rows))))
 
     def weigh(self, total: float) -> None:
         self._share = total / self._reference if self.world_size > 1 else 1.0

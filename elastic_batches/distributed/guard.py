@@ -23,7 +23,7 @@ device's streams, so NCCL's collectives and the kernels queued before them keep 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -31,13 +31,13 @@ import torch.distributed as dist
 from elastic_batches.distributed.wire import ALL_GATHER
 from elastic_batches.oom import Status
 
-__all__ = ["WIDTH", "CollectiveGuard", "PeerFailure", "guarded_comms", "side_channel"]
+__all__ = ["PIECES_OP", "WIDTH", "CollectiveGuard", "PeerFailure", "guarded_comms", "side_channel"]
 
 WIDTH = 6  # kind, status, then four values
 _GUARD, _MEET, _AGREE = 1.0, 2.0, 3.0  # kinds of rows
 _KINDS = {_GUARD: "a collective's guard", _MEET: "the vote", _AGREE: "another agreement"}
-ALL_GATHER_OP, REDUCE_SCATTER_OP = 1.0, 2.0
-_OPS = {ALL_GATHER_OP: "all-gather", REDUCE_SCATTER_OP: "reduce-scatter"}
+ALL_GATHER_OP, REDUCE_SCATTER_OP, PIECES_OP = 1.0, 2.0, 3.0
+_OPS = {ALL_GATHER_OP: "all-gather", REDUCE_SCATTER_OP: "reduce-scatter", PIECES_OP: "the next microbatch's size"}
 
 
 class PeerFailure(torch.OutOfMemoryError):
@@ -137,6 +137,33 @@ class CollectiveGuard:
                 )
             self.passed += 1
             return
+        self._stop(rows, meeting, f"{_OPS.get(op, op)} of {numel} elements")
+
+    def agree_within(self, op: float, values: Sequence[float]) -> list[list[float]]:
+        """Inside an attempt, at a point every rank reaches (``op``): every rank's ``values`` (at most three).
+
+        A round like a collective's guard: a peer at the meeting point stops this rank's attempt.
+
+        Raises:
+            PeerFailure: a peer's attempt failed (it is at the meeting point): this rank's stops too.
+            RuntimeError: a peer is at another point of the attempt (the same on every rank).
+        """
+        if self.aborted:
+            raise PeerFailure("CUDA out of memory on a peer: this rank's attempt stopped before agreeing with it")
+        rows = self._round(_GUARD, Status.OK, (op, *values))
+        meeting = [r for r, row in enumerate(rows) if row[0] != _GUARD]
+        if not meeting:
+            if any(row[2] != op for row in rows):
+                places = ", ".join(f"rank {r}: {_OPS.get(row[2], row[2])}" for r, row in enumerate(rows))
+                raise RuntimeError(
+                    f"ElasticStep: the ranks are at different points of a measuring attempt ({places}); every rank "
+                    "must cut as many microbatches (per-module gathering); no collective was started"
+                )
+            return [row[3 : 3 + len(values)] for row in rows]
+        self._stop(rows, meeting, _OPS[op])
+
+    def _stop(self, rows: list[list[float]], meeting: list[int], where: str) -> NoReturn:
+        """Peers are at the meeting point while this rank is at ``where``: raise (a peer failed, or finished)."""
         self.aborted = True
         failed = [r for r in meeting if rows[r][1] != Status.OK]
         if failed:
@@ -146,7 +173,7 @@ class CollectiveGuard:
             )
         raise RuntimeError(
             f"ElasticStep: rank(s) {meeting} finished the attempt's FSDP2 collectives while rank {self.rank} was "
-            f"about to start another ({_OPS.get(op, op)} of {numel} elements): every rank must run as many "
+            f"about to start another ({where}): every rank must run as many "
             "microbatches through the same FSDP2 modules (per-module gathering: give every rank a batch of at least "
             "split_count rows, and no microbatch that count_fn counts 0 in); no collective was started"
         )

@@ -156,11 +156,26 @@ class GradientSync:
         """Whether collectives pair the ranks' microbatches (FSDP2 per module): every rank cuts as planned, as many."""
         return False
 
-    def agree_count(self, count: int) -> int:
-        """The number of microbatches an attempt cuts this rank's batch into, from this rank's plan ``count``.
+    def agree_plan(self, count: int, lead: int) -> tuple[int, int]:
+        """How an attempt cuts this rank's batch, from this rank's plan: ``(count, lead)``.
 
-        Every rank calls it before each attempt. The plan itself, except where collectives pair
-        the ranks' microbatches (FSDP2 gathered per module): the largest plan over ranks.
+        Every rank calls it before each attempt. ``count``: the microbatches planned; ``lead``:
+        the rows of a first, measuring microbatch (0: none; the rest is then cut a microbatch at
+        a time, see :meth:`agree_pieces`). The plan itself, except where collectives pair the
+        ranks' microbatches (FSDP2 gathered per module): the largest count and the smallest lead
+        over ranks.
+        """
+        return count, lead
+
+    def agree_pieces(self, count: int, room: int) -> int:
+        """Inside a measuring attempt, before each microbatch after the first: how many the rest is cut into.
+
+        ``count``: this rank's plan for its rows left; ``room``: the most microbatches those rows
+        can make. The plan itself, except where collectives pair the ranks' microbatches: the
+        largest plan over ranks, at most the smallest room, so that every rank cuts as many.
+
+        Raises:
+            PeerFailure: a peer's attempt failed (paired microbatches only).
         """
         return count
 
