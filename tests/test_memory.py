@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -77,6 +78,17 @@ def test_the_line_lies_above_every_measurement_and_failure() -> None:
     assert all(model.increment(s) >= 1000 + 100 * s for s in (10, 30)) and model.increment(20) >= 3400
     wrong = model.observe_failure(25, free=5000, first=False)  # 25 rows did not fit in 5000 bytes free
     assert wrong and model.increment(25) > 5000
+
+
+def test_a_failure_bounds_the_sizes_from_it_on_and_leaves_the_measured_line_below_it() -> None:
+    model = _linear(MemoryModel(0.0), fixed=1000, per_unit=100, sizes=[1, 10, 20])
+    model.observe_failure(40, free=20_000, first=False)  # far above the line's 5000 at 40: the probe missed something
+    assert (model.increment(10), model.increment(20)) == (2000, 3000)  # what was measured holds
+    assert model.increment(40) > 20_000 and model.increment(60) > 20_000
+    assert model.increment(30) == 3000 + math.ceil((20_001 - 3000) / 2)  # on the line from (20, 3000) to the bound
+    assert model.margin == 0.05  # it had predicted 5000 bytes: an OOM it did not predict widens the margin
+    assert model.largest(MemoryReading(in_use=0, capacity=10_000)) == 27  # 9500 usable: 3000 + 850.05 * 7
+    assert model.largest(MemoryReading(in_use=0, capacity=2_500)) == 13  # 2375 usable, on the measured line
 
 
 def test_an_oom_it_did_not_predict_widens_the_margin_and_after_four_prediction_turns_off(
