@@ -857,18 +857,23 @@ def _predicted(rank: int, world: int, kind: str, gather: str, oom_at: int | None
     }
 
 
-@pytest.mark.parametrize(("kind", "gather"), [("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "module")])
-def test_ranks_with_unequal_memory_agree_on_one_predicted_plan_without_an_oom(
-    ranks: RankPool, kind: str, gather: str
-) -> None:
-    results = ranks.run(_predicted, kind, gather, timeout=60)
+def _predicted_reference() -> torch.Tensor:
+    """The weights of ``_predicted``'s steps as full-batch SGD over both ranks' rows."""
     reference = _plain_model(width=64)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     for i in range(4):
         optimizer.zero_grad()
         _loss_fn(reference)(_union_batch(i, [256, 256])).backward()
         optimizer.step()
-    want = _full(p for p in reference.parameters())
+    return _full(p for p in reference.parameters())
+
+
+@pytest.mark.parametrize(("kind", "gather"), [("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "module")])
+def test_ranks_with_unequal_memory_agree_on_one_predicted_plan_without_an_oom(
+    ranks: RankPool, kind: str, gather: str
+) -> None:
+    results = ranks.run(_predicted, kind, gather, timeout=60)
+    want = _predicted_reference()
     for result in results:
         assert result["predicting"]
         assert _relative_error(result["weights"], want) <= RTOL
@@ -889,13 +894,7 @@ def test_an_oom_on_one_rank_while_measuring_is_retried_by_every_rank(
 ) -> None:
     """Rank 1 fails in an early or a late microbatch of the measuring attempt: no hang, exact weights."""
     results = ranks.run(_predicted, kind, gather, oom_at, timeout=60)
-    reference = _plain_model(width=64)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    for i in range(4):
-        optimizer.zero_grad()
-        _loss_fn(reference)(_union_batch(i, [256, 256])).backward()
-        optimizer.step()
-    want = _full(p for p in reference.parameters())
+    want = _predicted_reference()
     for result in results:
         assert _relative_error(result["weights"], want) <= RTOL
         assert result["failed"][0] >= 1 and result["failed"][1:] == [0, 0, 0]  # every rank retried the batch
