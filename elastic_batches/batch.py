@@ -62,7 +62,11 @@ class Microbatch:
             the batch's rows (or its counted items divided by the batch's, see ``count_fn`` of
             :meth:`ElasticStep.backward`). The weights of a batch sum to 1.
         index: Position of the microbatch in the split, from 0.
-        count: Number of microbatches in the split.
+        count: Number of microbatches in the split. While a batch's memory is measured (a
+            first, small microbatch, the rest cut one at a time; ``SplitController(margin=...)``
+            with a memory probe), the count known so far, at least ``index + 2`` before the
+            last; every microbatch holds the final count when the attempt ends. ``count > 1``
+            says the batch is split either way.
         spec: How the user's structure is rebuilt around ``fields``.
 
     Example:
