@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "device_probe"]
+__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "check_memory", "device_probe"]
 
 
 class MemoryReading(NamedTuple):
@@ -78,6 +78,24 @@ class MemoryProbe(abc.ABC):
     @abc.abstractmethod
     def window_peak(self) -> int:
         """The highest bytes in use since :meth:`start_window`."""
+
+
+def check_memory(owner: str, memory: object) -> None:
+    """Refuse a ``memory=`` that is not ``"auto"``, ``None`` or a :class:`MemoryProbe`.
+
+    Example:
+        >>> from elastic_batches.memory import check_memory
+        >>> try:
+        ...     check_memory("ElasticStep", "cuda")
+        ... except TypeError as err:
+        ...     print(str(err)[:70])
+        ElasticStep: memory must be 'auto', None or an elastic_batches.memory.
+    """
+    if memory is not None and memory != "auto" and not isinstance(memory, MemoryProbe):
+        raise TypeError(
+            f"{owner}: memory must be 'auto', None or an elastic_batches.memory.MemoryProbe (on a CPU: an "
+            f"elastic_batches.testing.MemoryBudget), got {memory!r}"
+        )
 
 
 class AcceleratorProbe(MemoryProbe):

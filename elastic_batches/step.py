@@ -17,7 +17,7 @@ from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES, GradientSync, Verdict, gradient_sync_for
-from elastic_batches.memory import MemoryProbe, device_probe
+from elastic_batches.memory import MemoryProbe, check_memory, device_probe
 from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
@@ -177,11 +177,7 @@ class ElasticStep:
     ) -> None:
         if gather not in GATHER_MODES:
             raise ValueError(f"ElasticStep: gather must be one of {list(GATHER_MODES)}, got {gather!r}")
-        if memory is not None and memory != "auto" and not isinstance(memory, MemoryProbe):
-            raise TypeError(
-                f"ElasticStep: memory must be 'auto', None or an elastic_batches.memory.MemoryProbe (on a CPU: an "
-                f"elastic_batches.testing.MemoryBudget), got {memory!r}"
-            )
+        check_memory("ElasticStep", memory)
         if grad_scaler is not None and backward_fn is not None:
             raise ValueError("ElasticStep: pass grad_scaler or backward_fn, not both (backward_fn does the scaling)")
         if not isinstance(model, nn.Module):

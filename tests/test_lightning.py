@@ -83,12 +83,18 @@ def test_an_unknown_string_is_refused() -> None:
     [
         ({"accumulate_grad_batches": 0}, "must be an int >= 1"),
         ({"controllers": {"training": eb.SplitController()}}, r"unknown stage\(s\) \['training'\]"),
+        ({"gather": "layer"}, r"gather must be one of \['auto', 'attempt', 'module'\], got 'layer'"),
     ],
-    ids=["accumulate-0", "unknown-stage"],
+    ids=["accumulate-0", "unknown-stage", "gather"],
 )
 def test_callback_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ElasticAccumulation(**kwargs)
+
+
+def test_a_memory_that_is_no_probe_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"ElasticAccumulation: memory must be 'auto', None or an .*MemoryProbe"):
+        ElasticAccumulation(memory="cuda")
 
 
 # -- training equals the plain Trainer ----------------------------------------------------------
@@ -122,6 +128,19 @@ def test_a_memory_budget_forces_a_split_and_the_weights_still_equal_the_plain_tr
         trainer = fit(Trainer, model, loader(20), **AUTO)
     controller = trainer.elastic.controllers["train"]
     assert controller.split_count > 1 and controller.retry_count >= 1
+    assert_same_parameters(parameters_of(model), parameters_of(reference))
+
+
+def test_a_memory_probe_predicts_the_split_without_an_oom_and_the_weights_equal_the_plain_trainer() -> None:
+    reference = Regression()
+    fit(pl.Trainer, reference, loader(20))
+    model = Regression()
+    budget = MemoryBudget(limit_bytes=4_800)  # as above: 20 rows do not fit, 10 do
+    with budget:
+        trainer = fit(Trainer, model, loader(20), callbacks=[ElasticAccumulation(memory=budget)], **AUTO)
+    controller = trainer.elastic.controllers["train"]
+    assert controller.predicting() and controller.split_count > 1
+    assert budget.oom_count == controller.oom_count == 0  # the first batch measured a microbatch at a time
     assert_same_parameters(parameters_of(model), parameters_of(reference))
 
 

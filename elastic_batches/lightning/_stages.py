@@ -33,6 +33,7 @@ class Stages:
     Args:
         controllers: The controller of each stage in :data:`STAGES`.
         gather: How the steps gather an FSDP2 model's parameters (``ElasticStep``'s ``gather``).
+        memory: What the training steps measure memory with (``ElasticStep``'s ``memory``).
 
     Attributes:
         controllers: The controller of each stage (the dict shared with the callback).
@@ -45,9 +46,12 @@ class Stages:
         True
     """
 
-    def __init__(self, controllers: Mapping[str, SplitController], *, gather: str = "auto") -> None:
+    def __init__(
+        self, controllers: Mapping[str, SplitController], *, gather: str = "auto", memory: Any = "auto"
+    ) -> None:
         self.controllers = dict(controllers)
         self.gather = gather
+        self.memory = memory
         self._strategy: Any = None
         self._report: Report | None = None
         self._steps: dict[str, ElasticStep] = {}
@@ -77,7 +81,9 @@ class Stages:
             )
         step = self._steps.get(stage)
         if step is None or step.model is not model:
-            step = self._steps[stage] = ElasticStep(model, controller=self.controllers[stage], gather=self.gather)
+            step = self._steps[stage] = ElasticStep(
+                model, controller=self.controllers[stage], gather=self.gather, memory=self.memory
+            )
         step.controller = self.controllers[stage]
         step.backward_fn = backward_fn
         return step

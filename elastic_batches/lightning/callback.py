@@ -19,6 +19,7 @@ from elastic_batches.lightning._evaluation import elastic_evaluation_hook
 from elastic_batches.lightning._stages import STAGE_OF_HOOK, STAGES, Stages
 from elastic_batches.lightning._training import ElasticOptimization
 from elastic_batches.lightning.module import ElasticModule
+from elastic_batches.memory import MemoryProbe, check_memory
 from elastic_batches.step import ElasticStep
 
 __all__ = ["STAGES", "ElasticAccumulation", "check_no_batch_size_finder"]
@@ -79,6 +80,11 @@ class ElasticAccumulation(Callback):
         gather: FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``):
             ``"auto"`` (default), ``"attempt"`` or ``"module"``, as for
             :class:`elastic_batches.ElasticStep`; ignored by other strategies.
+        memory: What the training steps measure memory with, for the controllers' memory model
+            (``SplitController(margin=...)``): ``"auto"`` (default) the device's probe (CUDA,
+            XPU; none on a CPU), a :class:`elastic_batches.memory.MemoryProbe` (an
+            ``elastic_batches.testing.MemoryBudget`` on a CPU), or ``None`` (the OOM-driven search
+            alone), as for :class:`elastic_batches.ElasticStep`.
 
     Attributes:
         controllers: The controller of each stage.
@@ -86,6 +92,7 @@ class ElasticAccumulation(Callback):
     Raises:
         ValueError: ``controllers`` names an unknown stage, ``accumulate_grad_batches`` < 1, or
             ``gather`` is not one of ``"auto"``, ``"attempt"``, ``"module"``.
+        TypeError: ``memory`` is not ``"auto"``, ``None`` or a ``MemoryProbe``.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -105,7 +112,9 @@ class ElasticAccumulation(Callback):
         controllers: Mapping[str, SplitController] | None = None,
         split_evaluation: bool = True,
         gather: str = "auto",
+        memory: MemoryProbe | str | None = "auto",
     ) -> None:
+        check_memory("ElasticAccumulation", memory)
         if gather not in GATHER_MODES:
             raise ValueError(f"ElasticAccumulation: gather must be one of {list(GATHER_MODES)}, got {gather!r}")
         if accumulate_grad_batches is not None and (
@@ -130,7 +139,9 @@ class ElasticAccumulation(Callback):
         self.split_evaluation = split_evaluation
         self.gather = gather
         self.elastic_stages = Stages(
-            {stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES}, gather=gather
+            {stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES},
+            gather=gather,
+            memory=memory,
         )  # what the installed steps, ElasticModule and ElasticDataModule share
         self.controllers: dict[str, SplitController] = self.elastic_stages.controllers
         self._last_counts = dict.fromkeys(STAGES, 1)  # the count the last line reported
