@@ -26,6 +26,8 @@ from elastic_batches.oom import is_oom_error
 
 logger = logging.getLogger("elastic_batches.step")
 
+_GROWTH = 2  # while measuring, a microbatch is at most this many times the largest before it
+
 
 class Meter:
     """One attempt's memory: a window around each microbatch, fed to ``model``.
@@ -104,6 +106,9 @@ def measured_pieces(
 ) -> Iterator[Microbatch]:
     """The microbatches of an attempt that measures: ``lead`` rows first, then each at the size predicted now.
 
+    No microbatch is more than twice the largest before it: where the peak per row grows at
+    larger sizes (activations overtaking the gradients), the sizes measured so far under-estimate it.
+
     Each microbatch is cut inside its window (``meter.begin``); the caller closes it. With
     ``count_fn``, the weights divide by its count over the whole batch, counted first; should the
     pieces' counts add up to another total, ``attempt.rescale`` says by how much the gradients
@@ -130,6 +135,7 @@ def measured_pieces(
         else:
             rest = load.tail(start)
             count = controller.plan_rest(rest, meter.probe.memory_reading(), done=index)
+            count = max(count, rest.count_within(_GROWTH * attempt.size))
             count = sync.agree_pieces(count, (rows - start) // smallest)
             take, planned = rest.sizes(count)[0], index + count
         take = max(take, smallest)

@@ -28,12 +28,13 @@ Increments are kept per size (the latest measurement of each of the last sixteen
 is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls), else through the
 origin. A
 measurement more than 5% below what the line predicts at its size means memory per microbatch
-fell (a layer frozen, shorter shapes): the older points are dropped. Beyond the largest size
-measured, the increment is also at least that measurement continued at the slope of the
-measurements just below it, and at no less than 1.25 times the bytes per unit the forwards held
-(the saved activations, which backward needs, and a quarter more for their gradients): a peak is often the
-larger of two lines (the gradient being accumulated at small sizes, the activations at large
-ones), and a line fitted across both would under-estimate the larger sizes.
+fell (a layer frozen, shorter shapes): the older points are dropped. Between two sizes measured,
+the chord between their increments where it lies below the line: a peak is often the larger of
+two lines (the gradient being accumulated at small sizes, the activations at large ones), a
+shape that lies under its chords, and a line raised over both over-estimates the sizes between.
+Beyond the largest size measured, that measurement continued at the slope of the measurements
+just below it, and at no less than 1.25 times the bytes per unit the forwards held (the saved
+activations, which backward needs, and a quarter more for their gradients).
 
 A plan keeps the predicted peak under the capacity minus ``margin`` of it. An OOM that the model
 did not predict (it said the microbatch fits in what was free when it failed) widens the margin
@@ -43,6 +44,7 @@ controller's OOM-driven search plans alone.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections.abc import Mapping
@@ -59,6 +61,7 @@ _STATE_KEYS = frozenset(
     {"version", "unit", "base_margin", "margin", "retained", "later", "first", "failures", "wrong", "enabled"}
 )
 _SIZES = 16  # increments kept, one per size
+_LARGEST = 1 << 62  # no microbatch is larger
 _FIRSTS = 4  # first microbatches' increments kept
 _FAILURES = 4
 _SPREAD = 1.5  # sizes this far apart give the line its slope
@@ -164,23 +167,32 @@ class MemoryModel:
     def increment(self, size: int) -> int:
         """Bytes a microbatch of ``size`` needs over the memory in use before it.
 
-        Up to the largest size measured, the line. Beyond it, also at least the largest
-        measurement continued at the slope of the measurements nearest below it (the secant
-        from the largest size a third or more below), and at no less than 1.25 times the bytes
-        the forwards held per unit (what backward frees: the saved activations, and a quarter
-        more for their gradients): a peak is often the larger of two lines (the gradient being
-        accumulated at small sizes, the activations at large ones), and a line fitted across
-        both would under-estimate the larger sizes.
+        Up to the largest size measured, the line, or the chord between the two sizes measured
+        around ``size`` where it is lower. Beyond it, the largest measurement continued at the
+        slope of the measurements nearest below it (the secant from the largest size a third or
+        more below), and at no less than 1.25 times the bytes the forwards held per unit (what
+        backward frees: the saved activations, and a quarter more for their gradients). A
+        failure raises it from its size on (see :meth:`observe_failure`).
         """
         return math.ceil(round(max(self._measured(size), self._failed(size)), 6))  # not a byte more for float rounding
 
     def _measured(self, size: int) -> float:
-        """What the measurements say: the line, and beyond the largest size measured its continuation."""
+        """What the measurements say: between two sizes measured, the chord between them where it lies below
+        the line (a peak that grows faster at larger sizes lies under its chords); beyond the largest, the line
+        and the continuation of the slope there."""
         line = self.fixed + self.per_unit * size
         top = self._top()
-        if top is not None and size > top[0]:
-            line = max(line, top[1] + self._beyond_slope() * (size - top[0]))
-        return line
+        if top is None:
+            return line
+        if size > top[0]:
+            return top[1] + self._beyond_slope() * (size - top[0])
+        sizes = sorted(self._later)
+        above = bisect.bisect_left(sizes, size)
+        if above == 0 or sizes[above] == size:
+            return min(line, self._later[size]) if sizes[above] == size else line
+        low, high = sizes[above - 1], sizes[above]
+        chord = self._later[low] + (self._later[high] - self._later[low]) * (size - low) / (high - low)
+        return min(line, max(chord, self._later[low]))
 
     def _failed(self, size: int) -> float:
         """What the failures say a microbatch of ``size`` needs at least (0: nothing).
@@ -246,19 +258,14 @@ class MemoryModel:
             available -= self.retained or 0
         if available < self.fixed:
             return 0
-        size = (1 << 62) if self.per_unit <= 0 else int((available - self.fixed) // self.per_unit)
-        top = self._top()
-        if top is not None and size > top[0]:
-            slope = self._beyond_slope()
-            if slope > 0:
-                size = max(top[0], min(size, top[0] + int((available - top[1]) // slope)))
-        if self._failures and self._failed(size) > available:  # the largest size the failures leave (monotone)
-            low, high = 0, size
-            while low < high:
-                middle = (low + high + 1) // 2
-                low, high = (middle, high) if self.increment(middle) <= available else (low, middle - 1)
-            size = low
-        return size
+        high = 1  # the increment never falls with the size: the largest size that fits, by bisection
+        while self.increment(high) <= available and high < _LARGEST:
+            high *= 2
+        low = 0
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if self.increment(middle) <= available else (low, middle - 1)
+        return low
 
     def observe(self, size: int, increment: int, *, first: bool, forward: int | None = None) -> None:
         """A microbatch of ``size`` took ``increment`` bytes at its peak over what was in use before it.

@@ -108,7 +108,9 @@ def test_a_batch_it_knows_nothing_about_is_measured_first_and_settles_without_an
     run = Run(limit)
     grads = run.backward(_batch())
     first = run.rows[0]
-    assert first[0] == 1 and sum(first) == ROWS and max(first[3:]) - min(first[3:]) <= 1  # measured, then cut
+    assert first[0] == 1 and sum(first) == ROWS  # measured, then cut: each piece at most twice the largest before
+    assert all(rows <= 2 * max(first[: i + 1]) for i, rows in enumerate(first[1:], start=0))
+    assert max(first[-3:]) - min(first[-3:]) <= 1  # the rest balanced at the predicted size
     assert [mb.count for mb in run.last] == [len(first)] * len(first) and [mb.index for mb in run.last] == list(
         range(len(first))
     )
