@@ -272,6 +272,12 @@ class PaddedRegression(Regression):
     def on_validation_epoch_end(self) -> None:
         self._disarm()
 
+    def teardown(self, stage: str) -> None:
+        # A ddp_spawn worker ends right after the fit: its gloo group closes here, not in the interpreter's exit,
+        # where its threads can still be joinable when destroyed (an abort of a finished worker).
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"]) + 0.0 * batch["pad"].sum()
         self.log("train_loss", loss)
