@@ -159,7 +159,7 @@ class SplitController:
             row count is asked for.
         margin: Predict microbatches from measured memory (where the step has a memory probe:
             CUDA, XPU, or ``ElasticStep(memory=MemoryBudget)``), keeping this fraction of the
-            capacity free (0.05: 5%; at most 0.5). Until the model was wrong on this device it
+            capacity free (a fraction in ``[0, 0.5]``). Until the model was wrong on this device it
             costs at most a twentieth of the microbatch predicted without it; after an OOM the
             model did not predict, it grows and applies whole. ``None``: no prediction, the
             OOM-driven search alone.

@@ -474,7 +474,7 @@ class ElasticStep:
 
     def _smallest_rows(self) -> int:
         """The fewest rows a microbatch may have: 2 through a training-mode BatchNorm, else 1."""
-        return 2 if self._training_batchnorms() else 1
+        return 2 if any(m.training for _, m in self._batchnorm_layers()) else 1
 
     def _backward_microbatches(
         self,
@@ -596,11 +596,15 @@ class ElasticStep:
             self._devices_seen = tuple(dict.fromkeys(d for d in (_CPU, *key) if d is not None))
         return self._devices_seen
 
-    def _training_batchnorms(self) -> list[str]:
-        """``Type 'name'`` of each BatchNorm layer of the model in training mode."""
+    def _batchnorm_layers(self) -> list[tuple[str, nn.Module]]:
+        """The model's BatchNorm layers with their names, listed once."""
         if self._batchnorms is None:
             self._batchnorms = [(name, m) for name, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
-        return [f"{type(m).__name__} {name!r}" for name, m in self._batchnorms if m.training]
+        return self._batchnorms
+
+    def _training_batchnorms(self) -> list[str]:
+        """``Type 'name'`` of each BatchNorm layer of the model in training mode."""
+        return [f"{type(m).__name__} {name!r}" for name, m in self._batchnorm_layers() if m.training]
 
     def _warn_batchnorm(self, count: int) -> None:
         """Say once per step object that splitting changes the statistics of training-mode BatchNorm layers."""

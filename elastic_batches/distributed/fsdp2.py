@@ -452,9 +452,7 @@ class FullyShard(Agreeing):
         params: Sequence[torch.Tensor] | None = None,
         capacity: int = 0,
     ) -> Verdict:
-        aborted = self.guard.aborted  # stopped at a guard by a peer's failure: not an OOM of this rank's
-        self.guard.aborted = False
-        said = Status.OK if aborted and status == Status.OOM else status
+        said = self.guard.vote_status(status)
         if self.layout.hsdp:  # the side channel's meeting point: the peers' votes, whatever their guards saw
             values = (size, total, self._used.flag if params else 0.0, capacity)
             rows: Rows = tuple(map(tuple, self.guard.meet(said, values)))

@@ -136,9 +136,7 @@ class ShardPerModule(GradientSync):
         params: Sequence[torch.Tensor] | None = None,
         capacity: int = 0,
     ) -> Verdict:
-        aborted = self.guard.aborted  # stopped at a guard by a peer's failure: not an OOM of this rank's
-        self.guard.aborted = False
-        said = Status.OK if aborted and status == Status.OOM else status
+        said = self.guard.vote_status(status)
         rows = tuple(map(tuple, self.guard.meet(said, (size, total, 0.0, capacity))))
         verdict = verdict_of(rows, total)
         if params is not None and verdict.status == Status.OK:

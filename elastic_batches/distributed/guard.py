@@ -139,6 +139,15 @@ class CollectiveGuard:
             return
         self._stop(rows, meeting, f"{_OPS.get(op, op)} of {numel} elements")
 
+    def vote_status(self, status: Status) -> Status:
+        """What this rank votes for an attempt that ended with ``status``; clears :attr:`aborted`.
+
+        An attempt stopped at a guard by a peer's failure (``PeerFailure``, an OOM) is not an OOM of
+        this rank's: it votes OK, and the peer's OOM decides.
+        """
+        aborted, self.aborted = self.aborted, False
+        return Status.OK if aborted and status == Status.OOM else status
+
     def agree_within(self, op: float, values: Sequence[float]) -> list[list[float]]:
         """Inside an attempt, at a point every rank reaches (``op``): every rank's ``values`` (at most three).
 
@@ -211,7 +220,7 @@ def _inner_comm(comm: Any) -> Any:
 
 
 def _comm_classes() -> tuple[type, type]:
-    # FSDP2's comm interfaces (torch 2.13 keeps them in a private module: read in this one place).
+    # FSDP2's comm interfaces live in a private module of torch: imported in this one place.
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     return AllGather, ReduceScatter

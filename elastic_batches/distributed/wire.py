@@ -25,8 +25,8 @@ VOTE_VALUES = 5
 VOTE_BYTES = 8 * VOTE_VALUES
 _VOTE_STRUCT = struct.Struct(f"{VOTE_VALUES}d")
 BYTE_CARRIERS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# The vote's all-gather and the gradients' reduce-scatter: torch 2.13 renamed all_gather_into_tensor
-# and reduce_scatter_tensor (the old names warn); looked up at each call, so that a test can count them.
+# The vote's all-gather and the gradients' reduce-scatter under torch's current names where it has them (the
+# older all_gather_into_tensor and reduce_scatter_tensor warn); looked up at each call, so that a test can count them.
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 

@@ -31,7 +31,7 @@ class _AllocatePatch:
 
 
 def _comm_classes() -> tuple[type, type]:
-    # FSDP2's default comms (torch 2.13 keeps them in a private module: read in this one place).
+    # FSDP2's default comms live in a private module of torch: imported in this one place.
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     return DefaultAllGather, DefaultReduceScatter
