@@ -405,7 +405,7 @@ class ElasticStep:
                     reading = None  # nothing limits memory: nothing to predict
                 count = self.controller.plan(load, tag=tag, memory=reading)
                 lead = 0 if reading is None else self.controller.measurement(load, smallest=self._smallest_rows())
-                count, lead = self.sync.agree_plan(count, lead)
+                count, lead = self.sync.agree_plan(count, lead, where)
                 attempt = _Attempt(size=load.size_at(count))
                 if reading is not None:
                     assert probe is not None and self.controller.memory is not None

@@ -5,11 +5,14 @@ The model has four FSDP2 units (its linear layers) under an FSDP2 root. The refe
 full-batch training on the union of the ranks' batches, in float32; weights must match it within
 ``RTOL``. OOMs are injected on one rank, or on both at different points: in the forward of the
 first, a middle or the last unit, in their backward, in the allocation of an all-gather's output
-or of a reduce-scatter's input, at the first, a middle or the last microbatch.
+or of a reduce-scatter's input, at the first, a middle or the last microbatch: in an attempt
+whose collectives are guarded one by one, and in one that follows a script (its third step
+with the same microbatch count), where the rank that fails stands in for its collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +35,7 @@ RTOL = 1e-5
 LR = 0.1
 SPLIT = 3  # microbatches at the start: 12 rows as 3 x 4
 UNITS = (0, 2, 4, 6)  # the FSDP2 units: the linear layers of _model
+SCRIPTED_STEP = 2  # steps 0 and 1 guard every collective and agree on the script; step 2 follows it
 _MESHES: dict[tuple[int, ...], Any] = {}
 
 
@@ -141,22 +145,27 @@ def _train(
     layout: str = "mesh",
     max_grad_norm: float | None = None,
     shard_options: dict[str, Any] | None = None,
+    oom_step: int = 0,
 ) -> dict[str, Any]:
+    """Train ``steps`` steps; the ``plan``'s injections are armed just before step ``oom_step``."""
     rows = rows or [12] * world
     model = _shard(_model(), layout, **(shard_options or {}))
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather=gather)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    handles = _injections(model, plan or [])
-    counts = []
+    handles: list[Any] = []
+    counts, scripted = [], []
+    sync = step.sync
     for i in range(steps):
+        if i == oom_step:
+            handles = _injections(model, plan or [])
         optimizer.zero_grad(set_to_none=True)
+        scripted.append(_scripted(sync))
         step.backward(_batch(i, rank, rows[rank]), _loss_fn(model))
         step.optimizer_step(optimizer, max_grad_norm=max_grad_norm)
         counts.append(step.controller.split_count)
     fired = [h.fired for h in handles]
     for h in handles:
         h.remove()
-    sync = step.sync
     return {
         "error": _relative_error(_full(model.parameters()), _reference(rows, steps, max_grad_norm)),
         "fired": fired,
@@ -165,7 +174,17 @@ def _train(
         "retries": step.controller.retry_count,
         "scheme": type(getattr(sync, "active", sync)).__name__,
         "rows": rows,
+        "scripted": scripted,  # per step: whether its first attempt followed a script
+        "stood_in": sync.guard.stood_in if isinstance(sync, distributed.fsdp2_modules.ShardPerModule) else 0,
     }
+
+
+def _scripted(sync: Any) -> bool:
+    """Whether a backward attempt of ``SPLIT`` microbatches would follow a script now (per-module gathering)."""
+    sync = getattr(sync, "active", sync)
+    return isinstance(sync, distributed.fsdp2_modules.ShardPerModule) and (
+        sync._scripts.script(("backward", SPLIT)) is not None
+    )
 
 
 def _check(results: list[dict[str, Any]], plan: list[tuple[Any, ...]], ooms: int | None = None) -> None:
@@ -388,17 +407,19 @@ def test_evaluate_per_module_retries_an_oom_on_one_rank(ranks: RankPool) -> None
 # -- the collectives it adds ----------------------------------------------------------------------
 
 
-def _counted(rank: int, world: int) -> dict[str, int]:
-    """One steady step per module at split 3: FSDP2's collectives, and the side channel's rounds."""
+def _counted(rank: int, world: int) -> list[dict[str, int]]:
+    """Four steps per module at split 3: FSDP2's collectives, and the side channel's rounds, in each."""
     model = _shard(_model())
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module")
-    step.backward(_batch(0, rank, 12), _loss_fn(model))
     sync = step.sync
     assert isinstance(sync, distributed.fsdp2_modules.ShardPerModule)
-    rounds = sync.guard.rounds
-    with _Counting() as counts:
-        step.backward(_batch(1, rank, 12), _loss_fn(model))
-    return {**counts.calls, "rounds": sync.guard.rounds - rounds}
+    steps = []
+    for i in range(4):
+        rounds = sync.guard.rounds
+        with _Counting() as counts:
+            step.backward(_batch(i, rank, 12), _loss_fn(model))
+        steps.append({**counts.calls, "rounds": sync.guard.rounds - rounds})
+    return steps
 
 
 class _Counting:
@@ -425,11 +446,14 @@ class _Counting:
             cls.__call__ = original  # type: ignore[method-assign]
 
 
-def test_per_module_adds_one_guard_round_per_collective_and_two_per_attempt(ranks: RankPool) -> None:
-    for counts in ranks.run(_counted, timeout=60):
+def test_per_module_guards_each_collective_until_two_attempts_agree_on_a_script(ranks: RankPool) -> None:
+    for steps in ranks.run(_counted, timeout=60):
         # 3 microbatches of 4 units: 4 all-gathers in forward, 4 in backward (resharded after forward), 4
-        # reduce-scatters; beyond them, the microbatch count's round and the vote's
-        assert counts == {"all_gathers": 24, "reduce_scatters": 12, "rounds": 24 + 12 + 2}
+        # reduce-scatters; beyond them, the microbatch count's round and the vote's. The first two steps
+        # guard every collective; their votes agree on the script, which the next steps follow.
+        guarded = {"all_gathers": 24, "reduce_scatters": 12, "rounds": 24 + 12 + 2}
+        scripted = {"all_gathers": 24, "reduce_scatters": 12, "rounds": 2}
+        assert steps == [guarded, guarded, scripted, scripted]
 
 
 # -- memory: FSDP2's own, and the model that does not fit gathered ----------------------------------
@@ -553,7 +577,7 @@ def test_hsdp_trains_exactly_through_an_oom_on_one_rank(four_ranks: RankPool, ga
 # -- Lightning: ModelParallelStrategy with fully_shard in configure_model ----------------------------
 
 
-def _lightning(rank: int, world: int) -> dict[str, Any]:
+def _lightning(rank: int, world: int, oom_step: int) -> dict[str, Any]:
     import warnings
 
     import lightning.pytorch as pl
@@ -586,15 +610,18 @@ def _lightning(rank: int, world: int) -> dict[str, Any]:
         def on_train_end(self) -> None:
             elastic = ElasticAccumulation.find(self.trainer)
             if elastic is not None:  # the scheme the callback's step used (gone after teardown)
-                schemes.append(type(elastic.step_for("train").sync).__name__)
+                sync = elastic.step_for("train").sync
+                schemes.append(type(sync).__name__)
+                stood_in.append(sync.guard.stood_in)
 
-    x, y = _batch(0, 0, 48)
+    x, y = _batch(0, 0, 72)  # 3 steps of 12 rows per rank
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=12)
     weights: list[torch.Tensor] = []
     schemes: list[str] = []
+    stood_in: list[int] = []
     fired = 0
     for elastic in (True, False):
-        options = dict(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False, max_steps=2)
+        options = dict(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False, max_steps=3)
         options.update(enable_progress_bar=False, enable_model_summary=False)
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
         module = Net()
@@ -603,19 +630,27 @@ def _lightning(rank: int, world: int) -> dict[str, Any]:
                 controllers={"train": eb.SplitController(split_count=SPLIT)}, gather="module"
             )
             trainer: Any = Trainer(accumulate_grad_batches="auto", callbacks=[callback], strategy=strategy, **options)
-            with inject_oom(module.net[UNITS[1]], phase="backward", calls=[1], rank=1) as oom:
+            # the second microbatch of step oom_step (SPLIT backward calls a step before it)
+            with inject_oom(module.net[UNITS[1]], phase="backward", calls=[SPLIT * oom_step + 1], rank=1) as oom:
                 trainer.fit(module, loader)
             fired = oom.fired
         else:
             trainer = pl.Trainer(strategy=strategy, **options)
             trainer.fit(module, loader)
         weights.append(_full(module.parameters()))
-    return {"error": _relative_error(weights[0], weights[1]), "fired": fired, "scheme": schemes[0]}
+    return {
+        "error": _relative_error(weights[0], weights[1]),
+        "fired": fired,
+        "scheme": schemes[0],
+        "stood_in": stood_in[0],
+    }
 
 
-def test_lightning_model_parallel_trains_per_module_through_an_oom_on_rank_1(ranks: RankPool) -> None:
-    results = ranks.run(_lightning, timeout=120)
+@pytest.mark.parametrize("oom_step", [0, SCRIPTED_STEP], ids=["guarded", "scripted"])
+def test_lightning_model_parallel_trains_per_module_through_an_oom_on_rank_1(ranks: RankPool, oom_step: int) -> None:
+    results = ranks.run(_lightning, oom_step, timeout=120)
     assert [r["fired"] for r in results] == [0, 1]
+    assert [r["stood_in"] > 0 for r in results] == [False, oom_step == SCRIPTED_STEP]
     for result in results:
         assert result["scheme"] == "ShardPerModule"
         assert result["error"] <= RTOL, f"relative weight error against the plain Trainer {result['error']:.2e}"
@@ -663,3 +698,176 @@ def test_fsdp1_is_refused_naming_fully_shard_and_model_parallel_strategy(ranks: 
     for message in ranks.run(_fsdp1, timeout=60):
         assert "FSDP1 (FullyShardedDataParallel)" in message
         assert "fully_shard" in message and "ModelParallelStrategy" in message
+
+
+# -- attempts that follow a script: the rank that fails stands in for its collectives ---------------
+
+SCRIPTED_PLANS = {
+    **{f"{name}": plan for name, plan in UNIT_PLANS.items()},
+    **{name: plan for name, (gather, plan) in COLLECTIVE_PLANS.items() if gather == "module"},
+    # rank 0 fails in the script's attempt; rank 1, which ran all of it, in the retry (guarded: 4 microbatches)
+    "both-forward-first-unit-then-backward-last-unit": BOTH_RANKS["forward-first-unit-then-backward-last-unit"],
+    "both-backward-middle-unit-then-reduce-scatter": BOTH_RANKS["backward-middle-unit-then-reduce-scatter"],
+    # both in the script's attempt, at the same collective: each stands in from there
+    "both-forward-and-all-gather-same-attempt": BOTH_RANKS["forward-and-all-gather-same-attempt"],
+}
+
+
+@pytest.mark.parametrize("plan", list(SCRIPTED_PLANS.values()), ids=list(SCRIPTED_PLANS))
+def test_an_oom_in_a_scripted_attempt_retries_on_every_rank(ranks: RankPool, plan: list[Any]) -> None:
+    steps = SCRIPTED_STEP + 1
+    results = ranks.run(_train, "module", plan=plan, steps=steps, oom_step=SCRIPTED_STEP, timeout=60)
+    same_attempt = plan is BOTH_RANKS["forward-and-all-gather-same-attempt"]
+    both = plan in (BOTH_RANKS[k] for k in BOTH_RANKS)
+    _check(results, plan, ooms=2 if both and not same_attempt else 1)
+    for rank, result in enumerate(results):
+        assert result["scripted"] == [False, False, True], f"rank {rank}: {result['scripted']}"
+    # the rank that failed first (rank 1 alone, or rank 0) started the rest of the script in its stead
+    first = 0 if both else 1
+    assert results[first]["stood_in"] > 0
+    if not both:
+        assert results[1 - first]["stood_in"] == 0
+
+
+def _scripted_outside_collectives(rank: int, world: int, phase: str) -> dict[str, Any]:
+    """Rank 1 fails before its first collective (a transfer) or after its last (the loss sum) in a scripted attempt."""
+    from elastic_batches.testing import inject_oom_in_op, inject_oom_in_transfer
+
+    model = _shard(_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module", device="cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    guard = step.sync.guard
+    for i in range(SCRIPTED_STEP + 1):
+        optimizer.zero_grad(set_to_none=True)
+        injection = contextlib.nullcontext()
+        if i == SCRIPTED_STEP and rank == 1:
+            injection = (
+                inject_oom_in_transfer(calls=0)
+                if phase == "transfer"
+                else inject_oom_in_op(torch.ops.aten.stack, calls=0)
+            )
+        with injection:
+            step.backward(_batch(i, rank, 12), _loss_fn(model))
+        step.optimizer_step(optimizer)
+    return {
+        "error": _relative_error(_full(model.parameters()), _reference([12] * world, SCRIPTED_STEP + 1)),
+        "ooms": step.controller.oom_count,
+        "stood_in": guard.stood_in,
+    }
+
+
+@pytest.mark.parametrize(("phase", "stood_in"), [("transfer", 36), ("sum", 0)])
+def test_a_scripted_attempt_failing_before_its_first_or_after_its_last_collective(
+    ranks: RankPool, phase: str, stood_in: int
+) -> None:
+    """Before the first: the failed rank starts all 36 of the script's collectives; after the last: none."""
+    results = ranks.run(_scripted_outside_collectives, phase, timeout=60)
+    assert [r["stood_in"] for r in results] == [0, stood_in]
+    for result in results:
+        assert result["ooms"] == 1 and result["error"] <= RTOL
+
+
+def _evaluate_scripted(rank: int, world: int) -> dict[str, Any]:
+    model = _shard(_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module")
+    errors = []
+    with torch.no_grad():
+        for i in range(3):  # the third follows the script the first two agreed on; rank 0 fails in it
+            x, _ = _batch(i, rank, 12)
+            injection = inject_oom(model[UNITS[1]], phase="forward", calls=[1], rank=0) if i == 2 else None
+            with injection if injection is not None else contextlib.nullcontext():
+                out = step.evaluate(x, model, combine=lambda outputs, microbatches: torch.cat(outputs))
+            errors.append(_relative_error(out, model(x)))
+    return {"errors": errors, "ooms": step.controller.oom_count, "stood_in": step.sync.guard.stood_in}
+
+
+def test_a_scripted_evaluation_retries_an_oom_on_one_rank(ranks: RankPool) -> None:
+    results = ranks.run(_evaluate_scripted, timeout=60)
+    assert results[0]["stood_in"] > 0 and results[1]["stood_in"] == 0
+    for result in results:
+        assert result["ooms"] == 1 and max(result["errors"]) <= RTOL
+
+
+class _Skippable(nn.Module):
+    """Three FSDP2 units in a row; the middle one runs only while ``middle`` (the same on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle_layer, self.last = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+        self.middle = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        if self.middle:
+            h = torch.tanh(self.middle_layer(h))
+        return self.last(h)
+
+
+def _deviating(rank: int, world: int) -> dict[str, Any]:
+    """Steps 0-1 agree on a script; step 2 skips the middle unit (on every rank) and rank 1 fails after that.
+
+    The OOM makes the count 4: steps 3 and 4 would agree on a script for it, which step 5 would follow.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> _Skippable:
+        return _Skippable()
+
+    model = build()
+    for part in (model.first, model.middle_layer, model.last):
+        fully_shard(part, mesh=_mesh((world,)))
+    fully_shard(model, mesh=_mesh((world,)))
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    plain = build()
+    reference = torch.optim.SGD(plain.parameters(), lr=LR)
+    rounds = []
+    for i in range(6):
+        model.middle = plain.middle = i != 2
+        optimizer.zero_grad(set_to_none=True)
+        before = step.sync.guard.rounds
+        injection = inject_oom(model.last, phase="forward", calls=[2], rank=1) if i == 2 else contextlib.nullcontext()
+        with injection:
+            step.backward(_batch(i, rank, 12), lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1]))
+        optimizer.step()
+        rounds.append(step.sync.guard.rounds - before)
+        x, y = zip(*(_batch(i, r, 12) for r in range(world)), strict=True)
+        reference.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(plain(torch.cat(x)), torch.cat(y)).backward()
+        reference.step()
+    return {
+        "error": _relative_error(_full(model.parameters()), _full(plain.parameters())),
+        "rounds": rounds,
+        "ooms": step.controller.oom_count,
+        "scripts": step.sync._scripts.enabled,
+    }
+
+
+def test_a_step_whose_collectives_leave_the_script_guards_them_and_drops_the_scripts(ranks: RankPool) -> None:
+    """Every rank meets the first collective that differs alike: all guard from there, the OOM after it retries."""
+    for result in ranks.run(_deviating, timeout=60):
+        assert result["ooms"] == 1 and result["error"] <= RTOL
+        assert result["scripts"] is False  # no script again for this model
+        # 3 microbatches (then 4) of 3 units, resharded after forward, each of them guarded; + plan and vote
+        assert result["rounds"][:2] == [3 * 9 + 2] * 2
+        assert result["rounds"][3:] == [4 * 9 + 2] * 3
+
+
+HSDP_SCRIPTED_PLANS = {
+    "forward-middle-unit-rank2": [("forward", 2, [1], 2)],
+    "all-gather-rank3": [("all_gather", None, [5], 3)],
+    "reduce-scatter-rank1": [("reduce_scatter", None, [6], 1)],
+}
+
+
+@pytest.mark.parametrize("plan", list(HSDP_SCRIPTED_PLANS.values()), ids=list(HSDP_SCRIPTED_PLANS))
+def test_hsdp_scripted_attempt_trains_exactly_through_an_oom_on_one_rank(four_ranks: RankPool, plan: list[Any]) -> None:
+    steps = SCRIPTED_STEP + 1
+    results = four_ranks.run(
+        _train, "module", plan=plan, layout="hsdp", steps=steps, oom_step=SCRIPTED_STEP, timeout=60
+    )
+    _check(results, plan)
+    failing = plan[0][3]
+    assert all(r["scripted"] == [False, False, True] for r in results)
+    assert [r["stood_in"] > 0 for r in results] == [rank == failing for rank in range(4)]

@@ -99,8 +99,8 @@ class AutoGather(GradientSync):
     def pairs_microbatches(self) -> bool:
         return self.active.pairs_microbatches
 
-    def agree_plan(self, count: int, lead: int) -> tuple[int, int]:
-        return self.active.agree_plan(count, lead)
+    def agree_plan(self, count: int, lead: int, where: str = "backward") -> tuple[int, int]:
+        return self.active.agree_plan(count, lead, where)
 
     def agree_pieces(self, count: int, room: int) -> int:
         return self.active.agree_pieces(count, room)

@@ -5,7 +5,9 @@ prefetching, ``MixedPrecisionPolicy``), and every microbatch's backward reduce-s
 gradients into the sharded ``.grad``, which FSDP2 accumulates: FSDP2's own gradient-accumulation
 recipe, whose memory it keeps. Each of those collectives is guarded (``guard.py``), and the
 vote is the side channel's meeting point, so an OOM on one rank anywhere in a microbatch stops
-every rank before its next collective.
+every rank before its next collective. Once an attempt's collectives are known in advance (a
+script, ``script.py``), none has a guard round before it: a rank that fails stands in for the
+rest of them, so that its peers reach the vote.
 
 Each rank's share of the global mean rides in the reduce-scatters: the guarded reduce-scatter
 multiplies its input by ``divide x total_r / reference`` (``divide``: what FSDP2 divides the
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from torch import nn
 from elastic_batches.distributed.fsdp2 import FSDPLayout
 from elastic_batches.distributed.guard import PIECES_OP, CollectiveGuard, guarded_comms
 from elastic_batches.distributed.protocol import GradientSync, Verdict, agreement_of, check_values, verdict_of
+from elastic_batches.distributed.script import Scripts
 from elastic_batches.oom import Status
 
 __all__ = ["ShardPerModule"]
@@ -42,8 +45,9 @@ class ShardPerModule(GradientSync):
 
     Collectives, per microbatch: FSDP2's own (its all-gathers in forward and backward, a
     reduce-scatter per module in backward, HSDP's all-reduce after it), each after one guard
-    round of the side channel (a gloo ``all_gather`` of 6 float64 per rank); per attempt, the
-    vote (one more such round, or a few when a rank failed).
+    round of the side channel (a gloo ``all_gather`` of 7 float64 per rank) until the attempt's
+    kind has a script; then none. Per attempt, the plan's agreement and the vote (one more
+    round each, or a few when a rank failed).
 
     Every rank must run the same number of microbatches through the same modules (as FSDP2's
     own recipe needs): a rank that would start a collective no peer starts raises instead, on
@@ -75,6 +79,10 @@ class ShardPerModule(GradientSync):
         self._reference = 1.0  # the last grand total that fitted: gradients are pre-scaled by total_r / reference
         self._share = 1.0  # this attempt's total_r / reference
         self._post: float | None = None  # after a vote that fitted: the factor still to apply
+        self._scripts = Scripts()
+        # A user's all-reduce hook may run collectives of its own, which no script records.
+        self._scripts.enabled = all(group._all_reduce_hook is None for group in layout.groups)
+        self._key: Hashable | None = None  # this attempt's script key
 
     def graph_leaf_ids(self) -> set[int]:
         # FSDP2's forward runs on the unsharded parameters, whose gradients it reduces into the sharded ones.
@@ -85,11 +93,12 @@ class ShardPerModule(GradientSync):
         return True
 
     # FSDP2's collectives pair the ranks' microbatches: every rank cuts as many (one side-channel round each).
-    def agree_plan(self, count: int, lead: int) -> tuple[int, int]:
-        if self.guard.world_size == 1:
-            return count, lead
-        rows = self.guard.agree(Status.OK, (float(count), float(lead)))
-        return int(max(row[1] for row in rows)), int(min(row[2] for row in rows))
+    def agree_plan(self, count: int, lead: int, where: str = "backward") -> tuple[int, int]:
+        if self.guard.world_size > 1:
+            rows = self.guard.agree(Status.OK, (float(count), float(lead)))
+            count, lead = int(max(row[1] for row in rows)), int(min(row[2] for row in rows))
+        self._key = (where, count) if not lead else None  # a measured attempt's count is not known yet
+        return count, lead
 
     def agree_pieces(self, count: int, room: int) -> int:
         if self.guard.world_size == 1:
@@ -112,16 +121,19 @@ class ShardPerModule(GradientSync):
         groups = self.layout.groups
         saved = [(group, group.reduce_grads, group.all_reduce_grads) for group in groups]
         self._share = 1.0  # until weigh: a backward attempt says its total before its first microbatch
-        self.guard.start()
-        restore = guarded_comms(groups, self.guard, self._factor)
+        guard = self.guard
+        guard.start(self._scripts.script(self._key))
+        for group in groups:  # FSDP2's accumulation: every backward reduce-scatters into the sharded .grad
+            group.reduce_grads = group.all_reduce_grads = True
+        restore = guarded_comms(groups, guard, self._factor)
         try:
-            for group in groups:  # FSDP2's accumulation: every backward reduce-scatters into the sharded .grad
-                group.reduce_grads = group.all_reduce_grads = True
             try:
                 yield
-            except BaseException:
+            except BaseException as err:
                 self.layout.drop_unsharded_grads()
                 root.reset_iter_state()  # reshards, and clears FSDP2's state of the aborted pass
+                if isinstance(err, Exception):
+                    guard.stand_in()  # the collectives the peers still start
                 raise
         finally:
             restore()
@@ -136,8 +148,12 @@ class ShardPerModule(GradientSync):
         params: Sequence[torch.Tensor] | None = None,
         capacity: int = 0,
     ) -> Verdict:
-        said = self.guard.vote_status(status)
-        rows = tuple(map(tuple, self.guard.meet(said, (size, total, 0.0, capacity))))
+        guard = self.guard
+        recorded = guard.recorded() if status == Status.OK and not guard.aborted else None
+        report = self._scripts.report(guard.script, guard.deviated, recorded)
+        said = guard.vote_status(status)
+        rows = tuple(map(tuple, guard.meet(said, (size, total, 0.0, capacity, report))))
+        self._scripts.agree(self._key, [row[5] for row in rows], recorded)
         verdict = verdict_of(rows, total)
         if params is not None and verdict.status == Status.OK:
             grand_total = math.fsum(r[2] for r in rows)

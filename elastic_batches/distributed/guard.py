@@ -12,12 +12,16 @@ the meeting point, raises :class:`PeerFailure` (no collective started) and comes
 meeting point too. Rounds repeat there until every rank has arrived.
 
 Each round carries one row of :data:`WIDTH` float64 per rank: its kind (guard, meeting point,
-other agreement), its status, and four values (a guard's: which collective and how many
+other agreement), its status, and five values (a guard's: which collective and how many
 elements, so that ranks about to start different collectives raise instead of mixing them).
 
 The side channel is a gloo group: on a GPU, the guard is host-side only (Python floats into CPU
 tensors, a gloo round between the hosts) and never waits on or enqueues anything on the
 device's streams, so NCCL's collectives and the kernels queued before them keep running.
+
+An attempt that follows a *script* (``script.py``) runs no guard round: a rank that fails stands
+in for the rest of the script (:meth:`CollectiveGuard.stand_in`) before it goes to the meeting
+point, so its peers' collectives complete.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from elastic_batches.distributed.script import Collective, Script
 from elastic_batches.distributed.wire import ALL_GATHER
 from elastic_batches.oom import Status
 
 __all__ = ["PIECES_OP", "WIDTH", "CollectiveGuard", "PeerFailure", "guarded_comms", "side_channel"]
 
-WIDTH = 6  # kind, status, then four values
+WIDTH = 7  # kind, status, then five values
 _GUARD, _MEET, _AGREE = 1.0, 2.0, 3.0  # kinds of rows
 _KINDS = {_GUARD: "a collective's guard", _MEET: "the vote", _AGREE: "another agreement"}
 ALL_GATHER_OP, REDUCE_SCATTER_OP, PIECES_OP = 1.0, 2.0, 3.0
@@ -83,7 +88,10 @@ class CollectiveGuard:
     Attributes:
         rounds: Rounds run so far (each one small ``all_gather``).
         aborted: This rank's attempt stopped at a guard because a peer's failed (reset by :meth:`start`).
-        passed: Guards passed since :meth:`start`.
+        passed: Collectives passed since :meth:`start` (with a round before them or not).
+        script: The script this attempt follows, or ``None`` (a round before every collective).
+        deviated: This attempt met a collective other than its script's (rounds before every one since).
+        stood_in: Collectives started so far in a failed rank's stead (:meth:`stand_in`).
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -93,13 +101,27 @@ class CollectiveGuard:
         self.rounds = 0
         self.aborted = False
         self.passed = 0
+        self.script: Script | None = None
+        self.deviated = False
+        self.stood_in = 0
+        self._ran: list[Collective] = []
         # Allocated once: a round never allocates (an OOM in it would strand the peers).
         self._mine = torch.zeros(WIDTH, dtype=torch.float64)
         self._rows = torch.zeros(self.world_size * WIDTH, dtype=torch.float64)
 
-    def start(self) -> None:
-        """A new attempt begins: no guard passed, none aborted."""
-        self.aborted, self.passed = False, 0
+    def start(self, script: Script | None = None) -> None:
+        """A new attempt begins: no guard passed, none aborted.
+
+        Args:
+            script: The collectives the attempt will start, every rank's alike: no round before
+                them. ``None``: a round before every collective.
+        """
+        self.aborted, self.passed, self.deviated = False, 0, False
+        self.script, self._ran = script, []
+
+    def recorded(self) -> Script:
+        """The collectives this attempt passed so far, as a script."""
+        return Script(tuple(self._ran))
 
     def _round(self, kind: float, status: float, values: Sequence[float]) -> list[list[float]]:
         mine = self._mine.numpy()
@@ -110,8 +132,12 @@ class CollectiveGuard:
         self.rounds += 1
         return self._rows.view(self.world_size, WIDTH).tolist()
 
-    def before(self, op: float, numel: int) -> None:
+    def before(self, op: float, numel: int, collective: Collective | None = None) -> None:
         """Before collective ``op`` of ``numel`` elements: return when every rank is at it, else raise.
+
+        With a script, at once: ``collective`` is recorded, and compared with the script's (a
+        collective other than the script's, met by every rank alike, has rounds before it and
+        every collective after it).
 
         Raises:
             PeerFailure: a peer's attempt failed (it is at the meeting point): this rank's stops too.
@@ -122,6 +148,12 @@ class CollectiveGuard:
             return
         if self.aborted:  # a peer failed already: this attempt joins no more collectives
             raise PeerFailure("CUDA out of memory on a peer: this rank's attempt stopped before an FSDP2 collective")
+        script, position = self.script, self.passed
+        if script is not None and not self.deviated:
+            if position < len(script) and script.collectives[position] == collective:
+                self._pass(collective)
+                return
+            self.deviated = True  # every rank meets the same collective here: all round from now on
         rows = self._round(_GUARD, Status.OK, (op, float(numel)))
         meeting = [r for r, row in enumerate(rows) if row[0] != _GUARD]
         if not meeting:
@@ -135,9 +167,27 @@ class CollectiveGuard:
                     "microbatch. A parameter that only some ranks use needs module.set_reduce_scatter_unused_params("
                     "True); no collective was started"
                 )
-            self.passed += 1
+            self._pass(collective)
             return
         self._stop(rows, meeting, f"{_OPS.get(op, op)} of {numel} elements")
+
+    def _pass(self, collective: Collective | None) -> None:
+        self.passed += 1
+        if collective is not None:
+            self._ran.append(collective)
+
+    def stand_in(self) -> None:
+        """After this rank's attempt failed: start the script's collectives that it did not, as its peers will.
+
+        Nothing without a script (its peers round before every collective), or after a deviation
+        (so do they).
+        """
+        script = self.script
+        if script is None or self.deviated or self.world_size == 1:
+            return
+        for collective in script.collectives[self.passed :]:
+            collective.stand_in()
+            self.stood_in += 1
 
     def vote_status(self, status: Status) -> Status:
         """What this rank votes for an attempt that ended with ``status``; clears :attr:`aborted`.
@@ -215,6 +265,35 @@ class CollectiveGuard:
         return [row[1:] for row in rows]
 
 
+class _Recorder:
+    """One FSDP2 parameter group's collectives as :class:`Collective` records, made once per shape."""
+
+    def __init__(self, op: float, inner: Any, unit: int, replicate: dist.ProcessGroup | None) -> None:
+        self.op, self.inner, self.unit, self.replicate = op, inner, unit, replicate
+        self._last: Collective | None = None
+
+    def __call__(self, numel: int, tensor: torch.Tensor, group: dist.ProcessGroup, reduce_op: Any = None) -> Collective:
+        last = self._last
+        if last is not None and last.numel == numel and last.dtype == tensor.dtype and last.group is group:
+            return last
+        replicate = self.replicate
+        self._last = last = Collective(
+            op=self.op,
+            numel=numel,
+            dtype=tensor.dtype,
+            device_type=tensor.device.type,
+            unit=self.unit,
+            world=dist.get_world_size(group),
+            replicas=0 if replicate is None else dist.get_world_size(replicate),
+            comm=self.inner,
+            group=group,
+            replicate=replicate,
+            device=tensor.device,
+            reduce_op=reduce_op,
+        )
+        return last
+
+
 def _inner_comm(comm: Any) -> Any:
     return comm.inner if isinstance(comm, (_GuardedAllGather, _GuardedReduceScatter)) else comm
 
@@ -232,8 +311,9 @@ _AllGatherBase, _ReduceScatterBase = _comm_classes()
 class _GuardedAllGather(_AllGatherBase):  # type: ignore[misc, valid-type]
     """FSDP2's all-gather comm, guarded: ``allocate`` as the inner comm's, the guard round before ``__call__``."""
 
-    def __init__(self, inner: Any, guard: CollectiveGuard) -> None:
+    def __init__(self, inner: Any, guard: CollectiveGuard, unit: int = 0) -> None:
         self.inner, self.guard = inner, guard
+        self._record = _Recorder(ALL_GATHER_OP, inner, unit, None)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -241,15 +321,24 @@ class _GuardedAllGather(_AllGatherBase):  # type: ignore[misc, valid-type]
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Any:
-        self.guard.before(ALL_GATHER_OP, output_tensor.numel())
+        numel = output_tensor.numel()
+        self.guard.before(ALL_GATHER_OP, numel, self._record(numel, output_tensor, group))
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
 
 
 class _GuardedReduceScatter(_ReduceScatterBase):  # type: ignore[misc, valid-type]
     """FSDP2's reduce-scatter comm, guarded, its input first multiplied by this rank's ``factor()`` (in place)."""
 
-    def __init__(self, inner: Any, guard: CollectiveGuard, factor: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        guard: CollectiveGuard,
+        factor: Callable[[], float],
+        unit: int = 0,
+        replicate: dist.ProcessGroup | None = None,
+    ) -> None:
         self.inner, self.guard, self.factor = inner, guard, factor
+        self._record = _Recorder(REDUCE_SCATTER_OP, inner, unit, replicate)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -265,7 +354,8 @@ class _GuardedReduceScatter(_ReduceScatterBase):  # type: ignore[misc, valid-typ
         factor = self.factor()
         if factor != 1.0:
             input_tensor.mul_(factor)
-        self.guard.before(REDUCE_SCATTER_OP, input_tensor.numel())
+        numel = input_tensor.numel()
+        self.guard.before(REDUCE_SCATTER_OP, numel, self._record(numel, input_tensor, group, op))
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
 
 
@@ -287,10 +377,13 @@ def guarded_comms(
         A function that puts the groups' own comms back.
     """
     saved = [(group, group._all_gather_comm, group._reduce_scatter_comm) for group in groups]
-    for group, all_gather, reduce_scatter in saved:
-        group._all_gather_comm = _GuardedAllGather(_inner_comm(all_gather), guard)
+    for unit, (group, all_gather, reduce_scatter) in enumerate(saved):
+        group._all_gather_comm = _GuardedAllGather(_inner_comm(all_gather), guard, unit)
         if factor is not None:
-            group._reduce_scatter_comm = _GuardedReduceScatter(_inner_comm(reduce_scatter), guard, factor(group))
+            replicate = getattr(group.mesh_info, "replicate_process_group", None)  # HSDP: all-reduced after
+            group._reduce_scatter_comm = _GuardedReduceScatter(
+                _inner_comm(reduce_scatter), guard, factor(group), unit, replicate if group.all_reduce_grads else None
+            )
 
     def restore() -> None:
         for group, all_gather, reduce_scatter in saved:

@@ -156,14 +156,14 @@ class GradientSync:
         """Whether collectives pair the ranks' microbatches (FSDP2 per module): every rank cuts as planned, as many."""
         return False
 
-    def agree_plan(self, count: int, lead: int) -> tuple[int, int]:
+    def agree_plan(self, count: int, lead: int, where: str = "backward") -> tuple[int, int]:
         """How an attempt cuts this rank's batch, from this rank's plan: ``(count, lead)``.
 
         Every rank calls it before each attempt. ``count``: the microbatches planned; ``lead``:
         the rows of a first, measuring microbatch (0: none; the rest is then cut a microbatch at
-        a time, see :meth:`agree_pieces`). The plan itself, except where collectives pair the
-        ranks' microbatches (FSDP2 gathered per module): the largest count and the smallest lead
-        over ranks.
+        a time, see :meth:`agree_pieces`); ``where``: the attempt's kind, ``"backward"`` or
+        ``"evaluate"``. The plan itself, except where collectives pair the ranks' microbatches
+        (FSDP2 gathered per module): the largest count and the smallest lead over ranks.
         """
         return count, lead
 

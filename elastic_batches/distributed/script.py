@@ -1,0 +1,132 @@
+"""The collective script: an attempt's FSDP2 collectives, known in advance, so that a failed rank can stand in for them.
+
+Guarding every FSDP2 collective with a round of the side channel (``guard.py``) costs a host
+round trip each. But an attempt runs the collectives the last attempt of its kind (backward or
+forward only) and microbatch count ran, in the same order, on every rank. Once two such
+attempts in a row ran the same sequence, as every rank says at their votes, the sequence is
+that kind's *script*, and an attempt with a script runs no guard round at all. A rank whose
+attempt fails *stands in* for the collectives its peers still start: the rest of the script,
+through the same comms, on the same groups, with zero-filled buffers of the recorded sizes (its
+share of that attempt is discarded with the rest). Then every rank is at the vote, which fails.
+
+A rank that meets a collective other than the script's rounds before every collective for the
+rest of the attempt (every rank meets it at the same one, since FSDP2 runs the same collectives
+on every rank), says so at the vote, and the model gets no script again: a model whose modules
+run depending on the data is guarded collective by collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEVIATED", "Collective", "Script", "Scripts"]
+
+DEVIATED = -1.0  # what a rank votes when its attempt met a collective other than its script's
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One FSDP2 collective as recorded: what every rank must start to complete it, and how to start it again.
+
+    Two collectives are equal when a peer could not tell one from the other: the same kind, size,
+    dtype, device type, FSDP2 unit and group sizes. Groups are compared by size, so that the
+    ranks of different HSDP shard groups record the same script.
+    """
+
+    op: float  # guard.ALL_GATHER_OP or guard.REDUCE_SCATTER_OP
+    numel: int  # all-gather: output elements; reduce-scatter: input elements
+    dtype: torch.dtype
+    device_type: str
+    unit: int  # the FSDP2 parameter group's index in the model
+    world: int  # the group's size
+    replicas: int  # HSDP: the replicate group's size, all-reduced after a reduce-scatter (0: none)
+    comm: Any = field(compare=False)  # the comm FSDP2 had: the user's, or its default
+    group: Any = field(compare=False)
+    replicate: Any = field(compare=False)
+    device: torch.device = field(compare=False)
+    reduce_op: Any = field(compare=False, default=None)
+
+    def signature(self) -> str:
+        """The fields peers compare, as text (hashed into a script's digest)."""
+        return f"{self.op}/{self.numel}/{self.dtype}/{self.device_type}/{self.unit}/{self.world}/{self.replicas}"
+
+    def stand_in(self) -> None:
+        """Start this collective with zero-filled buffers, as a rank whose attempt failed: its peers complete theirs."""
+        from elastic_batches.distributed.guard import ALL_GATHER_OP
+
+        world = self.world
+        if self.op == ALL_GATHER_OP:
+            output = self.comm.allocate((self.numel,), dtype=self.dtype, device=self.device).zero_()
+            chunk = self.numel // world
+            mine = output.narrow(0, dist.get_rank(self.group) * chunk, chunk)
+            self.comm(output_tensor=output, input_tensor=mine, group=self.group, async_op=False)
+            return
+        sent = self.comm.allocate((self.numel,), dtype=self.dtype, device=self.device).zero_()
+        received = self.comm.allocate((self.numel // world,), dtype=self.dtype, device=self.device)
+        self.comm(output_tensor=received, input_tensor=sent, group=self.group, op=self.reduce_op, async_op=False)
+        if self.replicate is not None:
+            dist.all_reduce(received, group=self.replicate)
+
+
+@dataclass(frozen=True)
+class Script:
+    """Every collective of an attempt, in order."""
+
+    collectives: tuple[Collective, ...]
+
+    def __len__(self) -> int:
+        return len(self.collectives)
+
+    @property
+    def digest(self) -> float:
+        """A positive integer below 2**48 (exact in a float64) that tells scripts apart on every rank alike."""
+        text = ";".join(c.signature() for c in self.collectives)
+        return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big") | 1)
+
+
+class Scripts:
+    """A model's scripts by attempt kind, and the rule by which every rank adopts one at the same vote.
+
+    An attempt's key is ``(where, count)``, or ``None`` when it has none (its microbatches are
+    measured as they go, so their count is not known in advance). A key's recorded sequence
+    becomes its script when the votes of two consecutive attempts of that key agree on it,
+    every rank voting the same digest; a rank voting :data:`DEVIATED` drops every script for good.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._seen: dict[Hashable, float] = {}  # key -> the digest its last complete attempt agreed on
+        self._scripts: dict[Hashable, Script] = {}
+
+    def script(self, key: Hashable | None) -> Script | None:
+        """The script of an attempt with ``key``, or ``None`` (every collective guarded)."""
+        return None if key is None or not self.enabled else self._scripts.get(key)
+
+    def report(self, followed: Script | None, deviated: bool, recorded: Script | None) -> float:
+        """What this rank votes: :data:`DEVIATED`, the digest of a complete attempt's ``recorded`` sequence, or 0."""
+        if followed is not None and deviated:
+            return DEVIATED
+        return recorded.digest if recorded is not None and len(recorded) else 0.0
+
+    def agree(self, key: Hashable | None, reports: Sequence[float], recorded: Script | None) -> None:
+        """After a vote: adopt ``recorded`` as ``key``'s script, keep what is known, or drop every script."""
+        if not self.enabled or key is None:
+            return
+        if DEVIATED in reports:
+            self.enabled = False
+            self._scripts.clear()
+            return
+        digest = reports[0]
+        if not digest or any(r != digest for r in reports) or recorded is None:
+            return  # an attempt some rank did not complete: nothing learned
+        if self._seen.get(key) == digest:
+            self._scripts[key] = recorded
+        else:
+            self._seen[key] = digest
+            self._scripts.pop(key, None)
