@@ -431,6 +431,9 @@ class ElasticStep:
                 if forget is not None:
                     forget()
                 self._rollback.restore()
+                if verdict.again:  # void, though nothing failed: the same plan again, nothing learned
+                    del attempt
+                    continue
                 status, error, started = attempt.status, attempt.error, attempt.started
                 del attempt
                 self._learn_from_failure(verdict, status, error, batch, started, where)

@@ -13,6 +13,7 @@ with the same microbatch count), where the rank that fails stands in for its col
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -183,7 +184,7 @@ def _scripted(sync: Any) -> bool:
     """Whether a backward attempt of ``SPLIT`` microbatches would follow a script now (per-module gathering)."""
     sync = getattr(sync, "active", sync)
     return isinstance(sync, distributed.fsdp2_modules.ShardPerModule) and (
-        sync._scripts.script(("backward", SPLIT)) is not None
+        sync.scripts.script(("backward", SPLIT)) is not None
     )
 
 
@@ -323,7 +324,8 @@ class _Branchy(nn.Module):
         return self.branch(self.first(x), both)
 
 
-def _mismatch(rank: int, world: int, case: str) -> str:
+def _mismatch(rank: int, world: int, case: str, agreeing_steps: int) -> str:
+    """Ranks that start different collectives after ``agreeing_steps`` steps that did not (2: a scripted attempt)."""
     from torch.distributed.fsdp import fully_shard
 
     if case == "unused":  # rank 1 leaves b unused: its reduce-scatter of the unit holds fewer elements
@@ -331,14 +333,18 @@ def _mismatch(rank: int, world: int, case: str) -> str:
         fully_shard(inner.branch, mesh=_mesh((world,)))
         model = fully_shard(inner, mesh=_mesh((world,)))
 
-        def loss_fn(mb: Any) -> torch.Tensor:
-            return nn.functional.mse_loss(model(mb[0], both=rank == 0), mb[1])
+        def loss_fn(mb: Any, both: bool = rank == 0) -> torch.Tensor:
+            return nn.functional.mse_loss(model(mb[0], both=both), mb[1])
 
+        agreeing: Any = functools.partial(loss_fn, both=True)
         rows = 12
     else:  # rank 1: 2 rows, so 2 microbatches where rank 0 runs 3
         model = _shard(_model())
-        loss_fn, rows = _loss_fn(model), 12 if rank == 0 else 2
+        loss_fn = agreeing = _loss_fn(model)
+        rows = 12 if rank == 0 else 2
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module")
+    for _ in range(agreeing_steps):
+        step.backward(_batch(0, rank, 12), agreeing)
     with pytest.raises(RuntimeError) as raised:
         step.backward(_batch(0, rank, rows), loss_fn)
     dist.barrier()  # every rank got here: none waits in a collective
@@ -351,13 +357,15 @@ MISMATCHES = {
 }
 
 
+@pytest.mark.parametrize("agreeing_steps", [0, SCRIPTED_STEP], ids=["guarded", "scripted"])
 @pytest.mark.parametrize(("case", "message"), list(MISMATCHES.items()), ids=list(MISMATCHES))
 def test_ranks_that_would_start_different_collectives_raise_instead_of_hanging(
-    ranks: RankPool, case: str, message: str
+    ranks: RankPool, case: str, message: str, agreeing_steps: int
 ) -> None:
+    """Scripted, the rank whose collectives differ leaves the script; the retry, guarded, raises."""
     import re
 
-    for error in ranks.run(_mismatch, case, timeout=60):
+    for error in ranks.run(_mismatch, case, agreeing_steps, timeout=60):
         assert re.search(message, error), error
 
 
@@ -659,9 +667,11 @@ def test_lightning_model_parallel_trains_per_module_through_an_oom_on_rank_1(ran
 # -- errors other than an OOM, FSDP1 ------------------------------------------------------------------
 
 
-def _error_on_rank_1(rank: int, world: int) -> str:
+def _error_on_rank_1(rank: int, world: int, oom_step: int) -> str:
     model = _shard(_model())
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module")
+    for i in range(oom_step):
+        step.backward(_batch(i, rank, 12), _loss_fn(model))
     calls = [0]
 
     def loss_fn(mb: Any) -> torch.Tensor:
@@ -671,13 +681,14 @@ def _error_on_rank_1(rank: int, world: int) -> str:
         return _loss_fn(model)(mb)
 
     with pytest.raises(Exception) as raised:
-        step.backward(_batch(0, rank, 12), loss_fn)
+        step.backward(_batch(oom_step, rank, 12), loss_fn)
     dist.barrier()
     return f"{type(raised.value).__name__}: {raised.value}"
 
 
-def test_per_module_an_error_on_one_rank_raises_on_every_rank(ranks: RankPool) -> None:
-    errors = ranks.run(_error_on_rank_1, timeout=60)
+@pytest.mark.parametrize("oom_step", [0, SCRIPTED_STEP], ids=["guarded", "scripted"])
+def test_per_module_an_error_on_one_rank_raises_on_every_rank(ranks: RankPool, oom_step: int) -> None:
+    errors = ranks.run(_error_on_rank_1, oom_step, timeout=60)
     assert errors[1] == 'KeyError: "the user\'s bug"'
     assert errors[0].startswith("RuntimeError") and "rank(s) [1] raised an error other than an OOM" in errors[0]
 
@@ -804,10 +815,14 @@ class _Skippable(nn.Module):
         return self.last(h)
 
 
-def _deviating(rank: int, world: int) -> dict[str, Any]:
-    """Steps 0-1 agree on a script; step 2 skips the middle unit (on every rank) and rank 1 fails after that.
+def _departing(rank: int, world: int, fails: str) -> dict[str, Any]:
+    """Steps 0-1 agree on a script; step 2 skips the middle unit (on every rank), and rank 1 fails in it.
 
-    The OOM makes the count 4: steps 3 and 4 would agree on a script for it, which step 5 would follow.
+    ``fails="before"``: in the first unit's forward, before the collective that leaves the script
+    (the middle unit's all-gather, skipped): rank 1 stands in for the script from there while
+    rank 0 leaves it there. ``"after"``: in the last unit's forward of the third microbatch, in the
+    retry (the attempt that left the script was void). The OOM makes the count 4: steps 3 and 4
+    would agree on a script for it, which step 5 would follow.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -827,7 +842,10 @@ def _deviating(rank: int, world: int) -> dict[str, Any]:
         model.middle = plain.middle = i != 2
         optimizer.zero_grad(set_to_none=True)
         before = step.sync.guard.rounds
-        injection = inject_oom(model.last, phase="forward", calls=[2], rank=1) if i == 2 else contextlib.nullcontext()
+        injection: Any = contextlib.nullcontext()
+        if i == 2:
+            unit, calls = (model.first, [0]) if fails == "before" else (model.last, [2])
+            injection = inject_oom(unit, phase="forward", calls=calls, rank=1)
         with injection:
             step.backward(_batch(i, rank, 12), lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1]))
         optimizer.step()
@@ -840,13 +858,19 @@ def _deviating(rank: int, world: int) -> dict[str, Any]:
         "error": _relative_error(_full(model.parameters()), _full(plain.parameters())),
         "rounds": rounds,
         "ooms": step.controller.oom_count,
-        "scripts": step.sync._scripts.enabled,
+        "scripts": step.sync.scripts.enabled,
+        "stood_in": step.sync.guard.stood_in,
     }
 
 
-def test_a_step_whose_collectives_leave_the_script_guards_them_and_drops_the_scripts(ranks: RankPool) -> None:
-    """Every rank meets the first collective that differs alike: all guard from there, the OOM after it retries."""
-    for result in ranks.run(_deviating, timeout=60):
+@pytest.mark.parametrize("fails", ["before", "after"])
+def test_a_step_whose_collectives_leave_the_script_is_tried_again_guarded(ranks: RankPool, fails: str) -> None:
+    """Every rank leaves the script at the collective that differs and stands in for the rest: no hang, exact."""
+    results = ranks.run(_departing, fails, timeout=60)
+    # the script: 3 microbatches of 3 units, 3 all-gathers forward, 3 backward, 3 reduce-scatters each. Both
+    # ranks stand in after its first (rank 1 failed there, or both left it at the skipped unit's all-gather).
+    assert [r["stood_in"] for r in results] == [26, 26]
+    for result in results:
         assert result["ooms"] == 1 and result["error"] <= RTOL
         assert result["scripts"] is False  # no script again for this model
         # 3 microbatches (then 4) of 3 units, resharded after forward, each of them guarded; + plan and vote
@@ -871,3 +895,79 @@ def test_hsdp_scripted_attempt_trains_exactly_through_an_oom_on_one_rank(four_ra
     failing = plan[0][3]
     assert all(r["scripted"] == [False, False, True] for r in results)
     assert [r["stood_in"] > 0 for r in results] == [rank == failing for rank in range(4)]
+
+
+def _finishing_early(rank: int, world: int) -> dict[str, Any]:
+    """A script of two all-gathers; rank 0's attempt ends after the first, rank 1 starts the second."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    from elastic_batches.distributed.guard import ALL_GATHER_OP, CollectiveGuard, ScriptDeparture, side_channel
+    from elastic_batches.distributed.script import Collective, Script
+
+    group = dist.group.WORLD
+    collective = Collective(ALL_GATHER_OP, 4, torch.float32, "cpu", 0, world, 0, DefaultAllGather(), group, None, "cpu")
+    guard = CollectiveGuard(side_channel(range(world)))
+    guard.start(Script((collective, collective)))
+    out = torch.empty(4)
+    guard.before(ALL_GATHER_OP, 4, collective)
+    dist.all_gather_into_tensor(out, out.narrow(0, 2 * rank, 2).fill_(rank + 1))
+    if rank == 0:
+        with pytest.raises(ScriptDeparture, match="left its script .2 collectives. at the end of the attempt"):
+            guard.finish()
+        guard.stand_in()
+        return {"stood_in": guard.stood_in, "second": None}
+    guard.before(ALL_GATHER_OP, 4, collective)
+    second = torch.empty(4)
+    dist.all_gather_into_tensor(second, second.narrow(0, 2, 2).fill_(7.0))
+    guard.finish()
+    return {"stood_in": guard.stood_in, "second": second.tolist()}
+
+
+def test_a_rank_done_before_its_script_stands_in_for_the_rest(ranks: RankPool) -> None:
+    """An attempt that ends before its script does leaves it there: the peer's all-gather completes."""
+    assert ranks.run(_finishing_early, timeout=60) == [
+        {"stood_in": 1, "second": None},
+        {"stood_in": 0, "second": [0.0, 0.0, 7.0, 7.0]},  # the stand-in's shard: zeros
+    ]
+
+
+def _shrinking(rank: int, world: int) -> dict[str, Any]:
+    """Steps 0-1 at split 2 agree on a script; in step 2 rank 1's memory holds split 4's peak, not split 2's.
+
+    Its first attempt, scripted, runs out of memory for real (``MemoryBudget``), and its stand-ins
+    allocate under that same budget.
+    """
+    batch = _batch(0, rank, WIDE_ROWS, WIDE["features"])
+    peaks = {}
+    for split in (2, 4):  # the step's own peak at each split, measured on a copy
+        probe = _shard(_model(**WIDE))
+        measured = eb.ElasticStep(probe, controller=eb.SplitController(split_count=split), gather="module")
+        measured.backward(batch, _loss_fn(probe))
+        probe.zero_grad(set_to_none=True)
+        peaks[split] = _peak(lambda: measured.backward(batch, _loss_fn(probe)))  # noqa: B023
+    limit = (peaks[2] + peaks[4]) // 2
+    model = _shard(_model(**WIDE))
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2), gather="module")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for i in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        budget = MemoryBudget(limit) if i == 2 and rank == 1 else contextlib.nullcontext()
+        with budget:
+            step.backward(_batch(i, rank, WIDE_ROWS, WIDE["features"]), _loss_fn(model))
+        step.optimizer_step(optimizer)
+    return {
+        "peaks": peaks,
+        "error": _relative_error(_full(model.parameters()), _reference([WIDE_ROWS] * world, 3, **WIDE)),
+        "ooms": step.controller.oom_count,
+        "count": step.controller.split_count,
+        "stood_in": step.sync.guard.stood_in,
+    }
+
+
+def test_a_scripted_attempt_out_of_memory_for_real_stands_in_within_the_budget(ranks: RankPool) -> None:
+    results = ranks.run(_shrinking, timeout=120)
+    assert results[1]["peaks"][2] > results[1]["peaks"][4]  # the budget between them makes split 2 fail
+    assert [r["stood_in"] > 0 for r in results] == [False, True]
+    for result in results:
+        assert result["ooms"] >= 1 and result["count"] > 2
+        assert result["error"] <= RTOL, f"relative weight error {result['error']:.2e}"

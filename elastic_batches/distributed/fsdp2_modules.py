@@ -7,7 +7,8 @@ recipe, whose memory it keeps. Each of those collectives is guarded (``guard.py`
 vote is the side channel's meeting point, so an OOM on one rank anywhere in a microbatch stops
 every rank before its next collective. Once an attempt's collectives are known in advance (a
 script, ``script.py``), none has a guard round before it: a rank that fails stands in for the
-rest of them, so that its peers reach the vote.
+rest of them, so that its peers reach the vote; an attempt that leaves its script is void on
+every rank and tried again, guarded.
 
 Each rank's share of the global mean rides in the reduce-scatters: the guarded reduce-scatter
 multiplies its input by ``divide x total_r / reference`` (``divide``: what FSDP2 divides the
@@ -30,8 +31,8 @@ from torch import nn
 from elastic_batches.distributed.fsdp2 import FSDPLayout
 from elastic_batches.distributed.guard import PIECES_OP, CollectiveGuard, guarded_comms
 from elastic_batches.distributed.protocol import GradientSync, Verdict, agreement_of, check_values, verdict_of
-from elastic_batches.distributed.script import Scripts
-from elastic_batches.oom import Status
+from elastic_batches.distributed.script import DEPARTED, Scripts
+from elastic_batches.oom import Status, release_memory
 
 __all__ = ["ShardPerModule"]
 
@@ -58,6 +59,10 @@ class ShardPerModule(GradientSync):
         layout: The model's :class:`FSDPLayout` (made from ``model`` by default).
         guard: The side channel's guard, shared with another scheme of the same model.
 
+    Attributes:
+        scripts: The scripts of the attempts' kinds (``scripts.enabled = False``: every collective
+            guarded, for good).
+
     Raises:
         NotImplementedError: what :class:`FSDPLayout` refuses, or an HSDP mesh whose shard
             dimension has one rank.
@@ -79,9 +84,9 @@ class ShardPerModule(GradientSync):
         self._reference = 1.0  # the last grand total that fitted: gradients are pre-scaled by total_r / reference
         self._share = 1.0  # this attempt's total_r / reference
         self._post: float | None = None  # after a vote that fitted: the factor still to apply
-        self._scripts = Scripts()
+        self.scripts = Scripts()
         # A user's all-reduce hook may run collectives of its own, which no script records.
-        self._scripts.enabled = all(group._all_reduce_hook is None for group in layout.groups)
+        self.scripts.enabled = all(group._all_reduce_hook is None for group in layout.groups)
         self._key: Hashable | None = None  # this attempt's script key
 
     def graph_leaf_ids(self) -> set[int]:
@@ -122,17 +127,19 @@ class ShardPerModule(GradientSync):
         saved = [(group, group.reduce_grads, group.all_reduce_grads) for group in groups]
         self._share = 1.0  # until weigh: a backward attempt says its total before its first microbatch
         guard = self.guard
-        guard.start(self._scripts.script(self._key))
+        guard.start(self.scripts.script(self._key))
         for group in groups:  # FSDP2's accumulation: every backward reduce-scatters into the sharded .grad
             group.reduce_grads = group.all_reduce_grads = True
         restore = guarded_comms(groups, guard, self._factor)
         try:
             try:
                 yield
+                guard.finish()
             except BaseException as err:
                 self.layout.drop_unsharded_grads()
                 root.reset_iter_state()  # reshards, and clears FSDP2's state of the aborted pass
-                if isinstance(err, Exception):
+                if isinstance(err, Exception) and guard.script is not None:
+                    release_memory(err)  # the failed pass's tensors go first: the stand-ins allocate
                     guard.stand_in()  # the collectives the peers still start
                 raise
         finally:
@@ -150,11 +157,14 @@ class ShardPerModule(GradientSync):
     ) -> Verdict:
         guard = self.guard
         recorded = guard.recorded() if status == Status.OK and not guard.aborted else None
-        report = self._scripts.report(guard.script, guard.deviated, recorded)
+        report = self.scripts.report(guard.departed, recorded)
         said = guard.vote_status(status)
         rows = tuple(map(tuple, guard.meet(said, (size, total, 0.0, capacity, report))))
-        self._scripts.agree(self._key, [row[5] for row in rows], recorded)
+        reports = [row[5] for row in rows]
+        self.scripts.agree(self._key, reports, recorded)
         verdict = verdict_of(rows, total)
+        if DEPARTED in reports and verdict.status == Status.OK:  # left the script: void, nothing failed
+            verdict = verdict._replace(status=Status.OOM, again=True)
         if params is not None and verdict.status == Status.OK:
             grand_total = math.fsum(r[2] for r in rows)
             if self.world_size > 1:

@@ -21,7 +21,9 @@ device's streams, so NCCL's collectives and the kernels queued before them keep 
 
 An attempt that follows a *script* (``script.py``) runs no guard round: a rank that fails stands
 in for the rest of the script (:meth:`CollectiveGuard.stand_in`) before it goes to the meeting
-point, so its peers' collectives complete.
+point, so its peers' collectives complete. A rank about to start a collective other than the
+script's (every rank is, at the same one) leaves the attempt there (:class:`ScriptDeparture`)
+and stands in for the rest of the script too: the attempt is void, and tried again guarded.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from elastic_batches.distributed.script import Collective, Script
 from elastic_batches.distributed.wire import ALL_GATHER
 from elastic_batches.oom import Status
 
-__all__ = ["PIECES_OP", "WIDTH", "CollectiveGuard", "PeerFailure", "guarded_comms", "side_channel"]
+__all__ = ["PIECES_OP", "WIDTH", "CollectiveGuard", "PeerFailure", "ScriptDeparture", "guarded_comms", "side_channel"]
 
 WIDTH = 7  # kind, status, then five values
 _GUARD, _MEET, _AGREE = 1.0, 2.0, 3.0  # kinds of rows
@@ -56,6 +58,16 @@ class PeerFailure(torch.OutOfMemoryError):
         >>> from elastic_batches.distributed import PeerFailure
         >>> isinstance(PeerFailure("rank 1 ran out of memory"), torch.OutOfMemoryError)
         True
+    """
+
+
+class ScriptDeparture(PeerFailure):
+    """Raised at an FSDP2 collective other than the script's (or at the end of an attempt that left some unstarted).
+
+    Every rank meets it at the same point, since FSDP2 starts the same collectives on every rank.
+    Each stands in for the rest of the script, so that a rank that failed before that point and
+    stands in for it too is matched; the attempt is void, and ``ElasticStep`` tries it again,
+    guarded, learning nothing from it.
     """
 
 
@@ -90,7 +102,7 @@ class CollectiveGuard:
         aborted: This rank's attempt stopped at a guard because a peer's failed (reset by :meth:`start`).
         passed: Collectives passed since :meth:`start` (with a round before them or not).
         script: The script this attempt follows, or ``None`` (a round before every collective).
-        deviated: This attempt met a collective other than its script's (rounds before every one since).
+        departed: This attempt left its script (:class:`ScriptDeparture`).
         stood_in: Collectives started so far in a failed rank's stead (:meth:`stand_in`).
     """
 
@@ -102,7 +114,7 @@ class CollectiveGuard:
         self.aborted = False
         self.passed = 0
         self.script: Script | None = None
-        self.deviated = False
+        self.departed = False
         self.stood_in = 0
         self._ran: list[Collective] = []
         # Allocated once: a round never allocates (an OOM in it would strand the peers).
@@ -116,7 +128,7 @@ class CollectiveGuard:
             script: The collectives the attempt will start, every rank's alike: no round before
                 them. ``None``: a round before every collective.
         """
-        self.aborted, self.passed, self.deviated = False, 0, False
+        self.aborted, self.passed, self.departed = False, 0, False
         self.script, self._ran = script, []
 
     def recorded(self) -> Script:
@@ -135,12 +147,11 @@ class CollectiveGuard:
     def before(self, op: float, numel: int, collective: Collective | None = None) -> None:
         """Before collective ``op`` of ``numel`` elements: return when every rank is at it, else raise.
 
-        With a script, at once: ``collective`` is recorded, and compared with the script's (a
-        collective other than the script's, met by every rank alike, has rounds before it and
-        every collective after it).
+        With a script, at once: ``collective`` is recorded, and compared with the script's.
 
         Raises:
             PeerFailure: a peer's attempt failed (it is at the meeting point): this rank's stops too.
+            ScriptDeparture: ``collective`` is not the script's (every rank is at the same point).
             RuntimeError: the ranks are about to start different collectives, or a peer finished
                 the attempt while this rank still has one to start: the same on every rank.
         """
@@ -149,11 +160,11 @@ class CollectiveGuard:
         if self.aborted:  # a peer failed already: this attempt joins no more collectives
             raise PeerFailure("CUDA out of memory on a peer: this rank's attempt stopped before an FSDP2 collective")
         script, position = self.script, self.passed
-        if script is not None and not self.deviated:
+        if script is not None:
             if position < len(script) and script.collectives[position] == collective:
                 self._pass(collective)
                 return
-            self.deviated = True  # every rank meets the same collective here: all round from now on
+            self._depart(f"{_OPS.get(op, op)} of {numel} elements at position {position}")
         rows = self._round(_GUARD, Status.OK, (op, float(numel)))
         meeting = [r for r, row in enumerate(rows) if row[0] != _GUARD]
         if not meeting:
@@ -176,14 +187,31 @@ class CollectiveGuard:
         if collective is not None:
             self._ran.append(collective)
 
-    def stand_in(self) -> None:
-        """After this rank's attempt failed: start the script's collectives that it did not, as its peers will.
+    def finish(self) -> None:
+        """The attempt's microbatches are done: a script's collectives must all have started.
 
-        Nothing without a script (its peers round before every collective), or after a deviation
-        (so do they).
+        Raises:
+            ScriptDeparture: some did not (every rank finishes at the same point).
         """
         script = self.script
-        if script is None or self.deviated or self.world_size == 1:
+        if script is not None and self.world_size > 1 and self.passed < len(script):
+            self._depart(f"the end of the attempt at position {self.passed}")
+
+    def _depart(self, where: str) -> NoReturn:
+        self.departed = self.aborted = True  # voted as a stop for a peer's sake: not an OOM of this rank's
+        raise ScriptDeparture(
+            f"ElasticStep: the FSDP2 collectives of this attempt left its script ({len(self.script or ())} "
+            f"collectives) at {where}; every rank leaves it there and the attempt is tried again, guarded"
+        )
+
+    def stand_in(self) -> None:
+        """After this rank's attempt failed or left its script: start the script's collectives that it did not.
+
+        Its peers start them all (or stand in too, from where they failed or left). Nothing without
+        a script: its peers round before every collective.
+        """
+        script = self.script
+        if script is None or self.world_size == 1:
             return
         for collective in script.collectives[self.passed :]:
             collective.stand_in()
@@ -192,8 +220,9 @@ class CollectiveGuard:
     def vote_status(self, status: Status) -> Status:
         """What this rank votes for an attempt that ended with ``status``; clears :attr:`aborted`.
 
-        An attempt stopped at a guard by a peer's failure (``PeerFailure``, an OOM) is not an OOM of
-        this rank's: it votes OK, and the peer's OOM decides.
+        An attempt stopped at a guard by a peer's failure (``PeerFailure``, an OOM), or that left
+        its script, is not an OOM of this rank's: it votes OK, and the peer's OOM (or the vote's
+        word that the attempt left its script) decides.
         """
         aborted, self.aborted = self.aborted, False
         return Status.OK if aborted and status == Status.OOM else status

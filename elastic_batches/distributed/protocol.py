@@ -51,6 +51,8 @@ class Verdict(NamedTuple):
         capacity: An attempt's: the largest microbatch (rows, or tokens) that every rank's
             memory model predicts fits, the smallest over ranks; 0 when some rank predicts nothing.
         sums: Another phase's (:meth:`GradientSync.agree`): the sums over ranks of the values passed.
+        again: An attempt's: void though nothing failed (FSDP2 per module: its collectives left
+            their script); the same plan is tried again and nothing is learned.
     """
 
     status: Status
@@ -61,6 +63,7 @@ class Verdict(NamedTuple):
     scale: float = 1.0
     sums: tuple[float, ...] = ()
     capacity: int = 0
+    again: bool = False
 
 
 _ALL_OK = Verdict(Status.OK)

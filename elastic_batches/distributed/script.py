@@ -9,10 +9,12 @@ attempt fails *stands in* for the collectives its peers still start: the rest of
 through the same comms, on the same groups, with zero-filled buffers of the recorded sizes (its
 share of that attempt is discarded with the rest). Then every rank is at the vote, which fails.
 
-A rank that meets a collective other than the script's rounds before every collective for the
-rest of the attempt (every rank meets it at the same one, since FSDP2 runs the same collectives
-on every rank), says so at the vote, and the model gets no script again: a model whose modules
-run depending on the data is guarded collective by collective.
+A rank about to start a collective other than the script's, or done with its microbatches
+before the script is, leaves the attempt there (``ScriptDeparture``) and stands in for the rest
+of the script too: every rank meets that point alike (FSDP2 starts the same collectives on every
+rank), so a rank that failed before it, standing in for the script, is matched. The vote says
+so, the attempt is void and tried again guarded, and the model gets no script again: a model
+whose modules run depending on the data is guarded collective by collective.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVIATED", "Collective", "Script", "Scripts"]
+__all__ = ["DEPARTED", "Collective", "Script", "Scripts"]
 
-DEVIATED = -1.0  # what a rank votes when its attempt met a collective other than its script's
+DEPARTED = -1.0  # what a rank votes when its attempt left its script
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Scripts:
     An attempt's key is ``(where, count)``, or ``None`` when it has none (its microbatches are
     measured as they go, so their count is not known in advance). A key's recorded sequence
     becomes its script when the votes of two consecutive attempts of that key agree on it,
-    every rank voting the same digest; a rank voting :data:`DEVIATED` drops every script for good.
+    every rank voting the same digest; a rank voting :data:`DEPARTED` drops every script for good.
     """
 
     def __init__(self) -> None:
@@ -108,17 +110,17 @@ class Scripts:
         """The script of an attempt with ``key``, or ``None`` (every collective guarded)."""
         return None if key is None or not self.enabled else self._scripts.get(key)
 
-    def report(self, followed: Script | None, deviated: bool, recorded: Script | None) -> float:
-        """What this rank votes: :data:`DEVIATED`, the digest of a complete attempt's ``recorded`` sequence, or 0."""
-        if followed is not None and deviated:
-            return DEVIATED
+    def report(self, departed: bool, recorded: Script | None) -> float:
+        """What this rank votes: :data:`DEPARTED`, the digest of a complete attempt's ``recorded`` sequence, or 0."""
+        if departed:
+            return DEPARTED
         return recorded.digest if recorded is not None and len(recorded) else 0.0
 
     def agree(self, key: Hashable | None, reports: Sequence[float], recorded: Script | None) -> None:
         """After a vote: adopt ``recorded`` as ``key``'s script, keep what is known, or drop every script."""
         if not self.enabled or key is None:
             return
-        if DEVIATED in reports:
+        if DEPARTED in reports:
             self.enabled = False
             self._scripts.clear()
             return
