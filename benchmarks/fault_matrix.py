@@ -31,7 +31,12 @@ DEADLINE_S = 180
 
 COLUMNS = [("single", "0", "one process")] + [
     (setting, ranks, f"{name} {label}")
-    for setting, name in (("ddp", "DDP"), ("fsdp2", "FSDP2"), ("fsdp2-module", "FSDP2 per module"))
+    for setting, name in (
+        ("ddp", "DDP"),
+        ("fsdp2", "FSDP2"),
+        ("fsdp2-module", "FSDP2 per module"),
+        ("fsdp2-script", "FSDP2 per module, scripted"),
+    )
     for ranks, label in (("0", "rank 0"), ("1", "rank 1"), ("both", "both ranks"))
 ]
 HEADINGS = {
@@ -67,7 +72,7 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
         pool = RankPool(Path(workdir), world_size=2)
         try:
             for loop in fm.LOOPS:
-                for setting in fm.SETTINGS:
+                for setting in fm.LOOP_SETTINGS[loop]:
                     start = time.perf_counter()
                     cells = fm.cells(loop, setting)
                     if setting == "single":
@@ -103,7 +108,9 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
 
     failures = 0
     for loop in fm.LOOPS:
-        by_key = {(c.setting, c.ranks, c.phase, c.position): c for s in fm.SETTINGS for c in fm.cells(loop, s)}
+        by_key = {
+            (c.setting, c.ranks, c.phase, c.position): c for s in fm.LOOP_SETTINGS[loop] for c in fm.cells(loop, s)
+        }
         rows = []
         for c in fm.cells(loop, "single"):
             rows.append((c.phase, c.position))
@@ -117,7 +124,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
                 texts.append("n/a" if cell is None else entry(cell, results[cell.id]))
             print(f"| {PHASE_NAMES[phase]} | {position or '—'} | " + " | ".join(texts) + " |")
         print()
-        for setting in fm.SETTINGS:
+        for setting in fm.LOOP_SETTINGS[loop]:
             cells = fm.cells(loop, setting)
             runs = [r for c in cells for r in results[c.id]]
             if not runs:
@@ -136,7 +143,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
                 f"from a whole count {off:.1e})"
             )
     for loop in fm.LOOPS:
-        for setting in fm.SETTINGS:
+        for setting in fm.LOOP_SETTINGS[loop]:
             for cell in fm.cells(loop, setting):
                 runs = results[cell.id]
                 found = fm.problems(cell, runs) if runs else ["hang or crash"]

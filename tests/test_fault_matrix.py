@@ -26,6 +26,7 @@ import torch
 
 from elastic_batches.testing.fault_matrix import (
     GLOBAL_ROWS,
+    LOOP_SETTINGS,
     LOOPS,
     OOM_STEP,
     RTOL,
@@ -48,7 +49,7 @@ from elastic_batches.testing.fault_matrix import (
 from elastic_batches.testing.ranks import RankFailure, RankPool
 
 DEADLINE_S = 120  # one job: every cell of a loop and setting (about 3-7 s when nothing hangs)
-ALL_CELLS = [cell for loop in LOOPS for setting in SETTINGS for cell in cells(loop, setting)]
+ALL_CELLS = [cell for loop in LOOPS for setting in LOOP_SETTINGS[loop] for cell in cells(loop, setting)]
 
 
 class _Jobs:
@@ -121,7 +122,7 @@ def test_every_rank_variant_and_position_is_in_the_matrix() -> None:
     distributed = [c for c in ALL_CELLS if c.setting != "single"]
     assert {c.ranks for c in distributed} == {"0", "1", "both"}
     for loop in LOOPS:
-        for setting in SETTINGS:
+        for setting in LOOP_SETTINGS[loop]:
             positions = {(c.phase, c.position) for c in cells(loop, setting) if c.position is not None}
             phases = (
                 ("transfer", "cut", "count", "forward", "backward")

@@ -5,7 +5,9 @@ A *cell* is one combination of
 * the loop: ``"plain"`` (``ElasticStep.backward`` + ``ElasticStep.optimizer_step``) or
   ``"lightning"`` (``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``);
 * the setting: ``"single"`` (one process), ``"ddp"``, ``"fsdp2"`` (``gather="auto"``: this model
-  gathers once an attempt) or ``"fsdp2-module"`` (``gather="module"``) on two gloo ranks;
+  gathers once an attempt), ``"fsdp2-module"`` (``gather="module"``, each collective guarded) or,
+  in the plain loop, ``"fsdp2-script"`` (the same, its first attempt at the OOM following the
+  script that two warm-up attempts agreed on) on two gloo ranks;
 * the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
   padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
   its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already
@@ -50,6 +52,7 @@ from elastic_batches.testing.fault_matrix.cells import (
     ID_TOLERANCE,
     LIGHTNING_PHASES,
     LIGHTNING_WHERE,
+    LOOP_SETTINGS,
     LOOPS,
     LR,
     MAX_GRAD_NORM,
@@ -60,6 +63,7 @@ from elastic_batches.testing.fault_matrix.cells import (
     RECOVERING_PHASES,
     RTOL,
     SAMPLES,
+    SCRIPTED,
     SETTINGS,
     SPLIT,
     STEPS,
@@ -113,6 +117,8 @@ __all__ = [
     "RTOL",
     "SAMPLES",
     "SETTINGS",
+    "LOOP_SETTINGS",
+    "SCRIPTED",
     "SPLIT",
     "STEPS",
     "WHERE",

@@ -19,6 +19,7 @@ __all__ = [
     "ID_TOLERANCE",
     "IdModel",
     "LIGHTNING_PHASES",
+    "LOOP_SETTINGS",
     "LIGHTNING_WHERE",
     "LOOPS",
     "LR",
@@ -30,6 +31,7 @@ __all__ = [
     "RECOVERING_PHASES",
     "RTOL",
     "SAMPLES",
+    "SCRIPTED",
     "SETTINGS",
     "SPLIT",
     "STEPS",
@@ -60,12 +62,15 @@ FEATURES = 6
 WIDTH = 16
 LR = 0.1
 MAX_GRAD_NORM = 0.25  # every cell clips (the reference with torch's clip_grad_norm_)
-RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5}  # float32, relative to the largest weight
+RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5, "fsdp2-script": 1e-5}  # float32, relative
 ID_TOLERANCE = 1e-4  # |gradient x GLOBAL_ROWS - round(...)| per embedding row
 
 LOOPS = ("plain", "lightning")
 SETTINGS = ("single", "ddp", "fsdp2", "fsdp2-module")
-GATHER = {"fsdp2-module": "module"}  # ElasticStep's gather= per setting; "auto" otherwise
+# Per module, step OOM_STEP's first attempt following a script (two warm-up attempts agreed on it): plain loop only.
+SCRIPTED = "fsdp2-script"
+LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED), "lightning": SETTINGS}
+GATHER = {"fsdp2-module": "module", SCRIPTED: "module"}  # ElasticStep's gather= per setting; "auto" otherwise
 PHASES = ("transfer", "cut", "count", "forward", "backward", "sum", "clip", "step")
 MICROBATCH_PHASES = ("transfer", "cut", "count", "forward", "backward")  # struck at a chosen microbatch
 RECOVERING_PHASES = (*MICROBATCH_PHASES, "sum")  # between the start of an attempt and the vote
@@ -241,18 +246,27 @@ def expected_outcome(cell: Cell, rank: int, rows: int) -> tuple[int, int]:
     if cell.ranks != "both":
         return retry, _discarded_by_failing(cell, first) if cell.fires_on(rank) else _discarded_by_peer(cell, first)
     if rank == 0:  # fails in the first attempt; runs all of the retry, in which rank 1 fails
-        return third, _discarded_by_failing(cell, first) + _discarded_by_peer(cell, retry)
+        return third, _discarded_by_failing(cell, first) + _discarded_by_peer(cell, retry, retry=True)
     return third, _discarded_by_peer(cell, first) + _discarded_by_failing(cell, retry)
 
 
-def _discarded_by_peer(cell: Cell, count: int) -> int:
+def _guarded(cell: Cell, retry: bool) -> bool:
+    """Whether FSDP2's collectives are guarded one by one in that attempt of step ``OOM_STEP``.
+
+    Per module; scripted, the first attempt follows its script and the retry (another count) does not.
+    """
+    return cell.setting == "fsdp2-module" or (cell.setting == SCRIPTED and retry)
+
+
+def _discarded_by_peer(cell: Cell, count: int, retry: bool = False) -> int:
     """The microbatches a rank throws away in an attempt of ``count`` microbatches in which its peer fails.
 
-    All of them, except where FSDP2's collectives are guarded per module: the rank stops at its
+    All of them, except where FSDP2's collectives are guarded one by one: the rank stops at its
     first collective after the peer's failure, in the microbatch it fails in (``count_fn``: in
-    the first one, after counting every microbatch), having started it.
+    the first one, after counting every microbatch), having started it. (Following a script, the
+    failed rank stands in for its collectives: its peer runs the whole attempt.)
     """
-    if cell.setting != "fsdp2-module" or cell.phase == "sum":
+    if not _guarded(cell, retry) or cell.phase == "sum":
         return count
     if cell.phase == "count":
         return 1
@@ -301,11 +315,11 @@ def oom_call(cell: Cell, rank: int, rows: int) -> int | None:
 def _calls_before_peer_failed(cell: Cell, count: int) -> int:
     """The calls (of the cell's phase) a rank makes in an attempt of ``count`` microbatches in which its peer fails.
 
-    All of them, except where FSDP2's collectives are guarded per module: the rank stops in the
-    microbatch its peer fails in, after that microbatch's call (``count_fn``: after every
-    microbatch's, which come first).
+    All of them, except where FSDP2's collectives are guarded one by one (the first attempt, per
+    module): the rank stops in the microbatch its peer fails in, after that microbatch's call
+    (``count_fn``: after every microbatch's, which come first).
     """
-    if cell.setting != "fsdp2-module" or cell.phase == "count":
+    if not _guarded(cell, retry=False) or cell.phase == "count":
         return count
     assert cell.position is not None
     return _position(cell.position, count) + 1

@@ -14,6 +14,7 @@ from elastic_batches.testing.fault_matrix.cells import (
     OOM_STEP,
     RTOL,
     SAMPLES,
+    SCRIPTED,
     SPLIT,
     STEPS,
     WHERE,
@@ -102,6 +103,14 @@ def problems(cell: Cell, results: list[dict]) -> list[str]:
                     f"{where}step {OOM_STEP} ran as {result['counts'][OOM_STEP]} microbatches after throwing "
                     f"{result['discarded']} away, expected {count} after {discarded}: the OOM struck elsewhere"
                 )
+            if cell.setting == SCRIPTED:  # the rank that failed the scripted attempt stood in for its collectives
+                first = 0 if cell.ranks == "both" else int(cell.ranks)
+                stands_in = rank == first and cell.phase != "sum"  # the losses are summed after the last one
+                if (result["stood_in"] > 0) != stands_in:
+                    found.append(
+                        f"{where}stood in for {result['stood_in']} collectives, "
+                        f"expected {'some' if stands_in else 'none'}"
+                    )
             continue
         failing = [r for r in range(world) if cell.fires_on(r)]
         phase = WHERE[cell.phase] if cell.loop == "plain" or cell.phase == "clip" else LIGHTNING_WHERE

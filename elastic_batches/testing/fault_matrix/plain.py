@@ -22,6 +22,7 @@ from elastic_batches.testing.fault_matrix.cells import (
     LR,
     MAX_GRAD_NORM,
     OOM_STEP,
+    SCRIPTED,
     SPLIT,
     STEPS,
     Cell,
@@ -116,7 +117,7 @@ def distribute(setting: str, model: IdModel) -> nn.Module:
         return model
     if setting == "ddp":
         return nn.parallel.DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard  # "fsdp2", "fsdp2-module"
+    from torch.distributed.fsdp import fully_shard  # "fsdp2", "fsdp2-module", "fsdp2-script"
 
     for part in (model.net[0], model.net[2], model.ids):
         fully_shard(part, mesh=_mesh())
@@ -158,6 +159,8 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
     for i in range(STEPS):
         x, y, ids = batch(i, rank, world)
         data: Any = padded_batch(i, rank, world) if cell.phase in ("cut", "count") else (x, y, ids)
+        if i == 0 and cell.setting == SCRIPTED:
+            _agree_on_a_script(step, data, loss_fn, counted=cell.phase == "count")
         optimizer.zero_grad(set_to_none=True)
         handles = _arm(cell, rank, len(ids), model, step, optimizer) if i == OOM_STEP else []
         count_fn = next((h for h in handles if isinstance(h, _CountOOM)), _CountOOM(None))
@@ -174,7 +177,22 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
             fired += sum(h.fired for h in handles)
             for h in handles:
                 h.remove()
-    return result_of(cell, done, error, model, snapshots, ids_checks, counts, fired, controller)
+    guard = getattr(step.sync, "guard", None) if cell.setting == SCRIPTED else None
+    stood_in = guard.stood_in if guard is not None else 0
+    return result_of(cell, done, error, model, snapshots, ids_checks, counts, fired, controller, stood_in)
+
+
+def _agree_on_a_script(step: eb.ElasticStep, data: Any, loss_fn: Any, counted: bool) -> None:
+    """Two attempts of step 0's batch whose votes agree on its collectives' script; nothing of them is kept.
+
+    Their gradients are dropped (each step starts from ``zero_grad``) and the controller's state
+    is put back, so the run goes on as if they never ran, its attempts at ``SPLIT`` microbatches
+    following the script.
+    """
+    state = step.controller.state_dict()
+    for _ in range(2):
+        step.backward(data, loss_fn, count_fn=_CountOOM(None) if counted else None)
+    step.controller.load_state_dict(state)
 
 
 def result_of(
@@ -187,8 +205,12 @@ def result_of(
     counts: Any,
     fired: int,
     controller: eb.SplitController,
+    stood_in: int = 0,
 ) -> dict[str, Any]:
-    """What one cell reports, the same for the plain loop and the Lightning Trainer."""
+    """What one cell reports, the same for the plain loop and the Lightning Trainer.
+
+    ``stood_in``: the collectives this rank started in a failed attempt's stead (per module, scripted).
+    """
     whole, own = weight_errors(model.parameters(), snapshots)
     return {
         "cell": cell.id,
@@ -201,4 +223,5 @@ def result_of(
         "fired": fired,
         "retries": controller.retry_count,
         "discarded": controller.discarded_microbatches,
+        "stood_in": stood_in,
     }
