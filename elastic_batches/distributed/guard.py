@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from elastic_batches.distributed.script import Collective, Script
+from elastic_batches.distributed.script import ALL_GATHER_OP, REDUCE_SCATTER_OP, Collective, Script
 from elastic_batches.distributed.wire import ALL_GATHER
 from elastic_batches.oom import Status
 
@@ -43,7 +43,7 @@ __all__ = ["PIECES_OP", "WIDTH", "CollectiveGuard", "PeerFailure", "ScriptDepart
 WIDTH = 7  # kind, status, then five values
 _GUARD, _MEET, _AGREE = 1.0, 2.0, 3.0  # kinds of rows
 _KINDS = {_GUARD: "a collective's guard", _MEET: "the vote", _AGREE: "another agreement"}
-ALL_GATHER_OP, REDUCE_SCATTER_OP, PIECES_OP = 1.0, 2.0, 3.0
+PIECES_OP = 3.0  # the round that agrees on the next microbatch's size (beside the collectives' kinds)
 _OPS = {ALL_GATHER_OP: "all-gather", REDUCE_SCATTER_OP: "reduce-scatter", PIECES_OP: "the next microbatch's size"}
 
 

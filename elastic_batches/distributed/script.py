@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEPARTED", "Collective", "Script", "Scripts"]
+__all__ = ["ALL_GATHER_OP", "DEPARTED", "REDUCE_SCATTER_OP", "Collective", "Script", "Scripts"]
 
+ALL_GATHER_OP, REDUCE_SCATTER_OP = 1.0, 2.0  # a collective's kind, as a guard round carries it
 DEPARTED = -1.0  # what a rank votes when its attempt left its script
 
 
@@ -41,7 +42,7 @@ class Collective:
     ranks of different HSDP shard groups record the same script.
     """
 
-    op: float  # guard.ALL_GATHER_OP or guard.REDUCE_SCATTER_OP
+    op: float  # ALL_GATHER_OP or REDUCE_SCATTER_OP
     numel: int  # all-gather: output elements; reduce-scatter: input elements
     dtype: torch.dtype
     device_type: str
@@ -60,8 +61,6 @@ class Collective:
 
     def stand_in(self) -> None:
         """Start this collective with zero-filled buffers, as a rank whose attempt failed: its peers complete theirs."""
-        from elastic_batches.distributed.guard import ALL_GATHER_OP
-
         world = self.world
         if self.op == ALL_GATHER_OP:
             output = self.comm.allocate((self.numel,), dtype=self.dtype, device=self.device).zero_()
