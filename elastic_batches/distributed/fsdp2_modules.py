@@ -38,7 +38,7 @@ __all__ = ["ShardPerModule"]
 
 
 class ShardPerModule(GradientSync):
-    """FSDP2 gathering per module, as FSDP2's own accumulation recipe does; every collective guarded.
+    """FSDP2 gathering per module, as FSDP2's own accumulation recipe does; every collective guarded or scripted.
 
     Memory: FSDP2's own, at the same microbatch size: parameters unsharded a module (or a
     prefetch) at a time, gradients reduce-scattered into the sharded ``.grad`` every microbatch.
@@ -52,7 +52,7 @@ class ShardPerModule(GradientSync):
 
     Every rank must run the same number of microbatches through the same modules (as FSDP2's
     own recipe needs): a rank that would start a collective no peer starts raises instead, on
-    every rank.
+    every rank (scripted: in the guarded retry of the attempt that left its script).
 
     Args:
         model: The root FSDP2 module.
