@@ -714,7 +714,7 @@ def test_fsdp1_is_refused_naming_fully_shard_and_model_parallel_strategy(ranks: 
 # -- attempts that follow a script: the rank that fails stands in for its collectives ---------------
 
 SCRIPTED_PLANS = {
-    **{f"{name}": plan for name, plan in UNIT_PLANS.items()},
+    **UNIT_PLANS,
     **{name: plan for name, (gather, plan) in COLLECTIVE_PLANS.items() if gather == "module"},
     # rank 0 fails in the script's attempt; rank 1, which ran all of it, in the retry (guarded: 4 microbatches)
     "both-forward-first-unit-then-backward-last-unit": BOTH_RANKS["forward-first-unit-then-backward-last-unit"],
@@ -729,7 +729,7 @@ def test_an_oom_in_a_scripted_attempt_retries_on_every_rank(ranks: RankPool, pla
     steps = SCRIPTED_STEP + 1
     results = ranks.run(_train, "module", plan=plan, steps=steps, oom_step=SCRIPTED_STEP, timeout=60)
     same_attempt = plan is BOTH_RANKS["forward-and-all-gather-same-attempt"]
-    both = plan in (BOTH_RANKS[k] for k in BOTH_RANKS)
+    both = plan in BOTH_RANKS.values()
     _check(results, plan, ooms=2 if both and not same_attempt else 1)
     for rank, result in enumerate(results):
         assert result["scripted"] == [False, False, True], f"rank {rank}: {result['scripted']}"
@@ -826,16 +826,13 @@ def _departing(rank: int, world: int, fails: str) -> dict[str, Any]:
     """
     from torch.distributed.fsdp import fully_shard
 
-    def build() -> _Skippable:
-        return _Skippable()
-
-    model = build()
+    model = _Skippable()
     for part in (model.first, model.middle_layer, model.last):
         fully_shard(part, mesh=_mesh((world,)))
     fully_shard(model, mesh=_mesh((world,)))
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather="module")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    plain = build()
+    plain = _Skippable()
     reference = torch.optim.SGD(plain.parameters(), lr=LR)
     rounds = []
     for i in range(6):

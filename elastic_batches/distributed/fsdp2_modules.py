@@ -157,7 +157,7 @@ class ShardPerModule(GradientSync):
     ) -> Verdict:
         guard = self.guard
         recorded = guard.recorded() if status == Status.OK and not guard.aborted else None
-        report = self.scripts.report(guard.departed, recorded)
+        report = self.scripts.report(self._key, guard.departed, recorded)
         said = guard.vote_status(status)
         rows = tuple(map(tuple, guard.meet(said, (size, total, 0.0, capacity, report))))
         reports = [row[5] for row in rows]

@@ -19,6 +19,7 @@ whose modules run depending on the data is guarded collective by collective.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -55,8 +56,9 @@ class Collective:
     device: torch.device = field(compare=False)
     reduce_op: Any = field(compare=False, default=None)
 
+    @functools.cached_property
     def signature(self) -> str:
-        """The fields peers compare, as text (hashed into a script's digest)."""
+        """The fields peers compare, as text (hashed into a script's digest); made once per record."""
         return f"{self.op}/{self.numel}/{self.dtype}/{self.device_type}/{self.unit}/{self.world}/{self.replicas}"
 
     def stand_in(self) -> None:
@@ -87,7 +89,7 @@ class Script:
     @property
     def digest(self) -> float:
         """A positive integer below 2**48 (exact in a float64) that tells scripts apart on every rank alike."""
-        text = ";".join(c.signature() for c in self.collectives)
+        text = ";".join(c.signature for c in self.collectives)
         return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big") | 1)
 
 
@@ -109,11 +111,16 @@ class Scripts:
         """The script of an attempt with ``key``, or ``None`` (every collective guarded)."""
         return None if key is None or not self.enabled else self._scripts.get(key)
 
-    def report(self, departed: bool, recorded: Script | None) -> float:
-        """What this rank votes: :data:`DEPARTED`, the digest of a complete attempt's ``recorded`` sequence, or 0."""
+    def report(self, key: Hashable | None, departed: bool, recorded: Script | None) -> float:
+        """What this rank votes: :data:`DEPARTED`, the digest of a complete attempt's ``recorded`` sequence, or 0.
+
+        0 too where nothing is learned: scripts off, or an attempt without a key.
+        """
         if departed:
             return DEPARTED
-        return recorded.digest if recorded is not None and len(recorded) else 0.0
+        if not self.enabled or key is None or recorded is None or not len(recorded):
+            return 0.0
+        return recorded.digest
 
     def agree(self, key: Hashable | None, reports: Sequence[float], recorded: Script | None) -> None:
         """After a vote: adopt ``recorded`` as ``key``'s script, keep what is known, or drop every script."""

@@ -11,23 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from elastic_batches.testing.injection import OOMInjection, _call_set, _check_rank
+from elastic_batches.testing.injection import OOMInjection, _call_set, _check_rank, _MethodPatch
 
 __all__ = ["inject_oom_in_all_gather", "inject_oom_in_reduce_scatter"]
-
-
-class _AllocatePatch:
-    """Puts a replacement ``allocate`` on an FSDP2 comm class (inherited there) until :meth:`remove`."""
-
-    def __init__(self, cls: type, replacement: Any) -> None:
-        self._cls, self._own = cls, cls.__dict__.get("allocate")
-        cls.allocate = replacement  # type: ignore[attr-defined]
-
-    def remove(self) -> None:
-        if self._own is None:
-            del self._cls.allocate  # type: ignore[attr-defined]
-        else:
-            self._cls.allocate = self._own  # type: ignore[attr-defined]
 
 
 def _comm_classes() -> tuple[type, type]:
@@ -77,7 +63,7 @@ def inject_oom_in_all_gather(*, calls: int | Iterable[int] = 0, rank: int | None
         handle._count_call("at output allocation")
         return original(self, *args, **kwargs)
 
-    handle._handles.append(_AllocatePatch(all_gather, allocate))
+    handle._handles.append(_MethodPatch(all_gather, "allocate", allocate))
     return handle
 
 
@@ -120,5 +106,5 @@ def inject_oom_in_reduce_scatter(*, calls: int | Iterable[int] = 0, rank: int | 
             input_next[0] = True
         return original(self, *args, **kwargs)
 
-    handle._handles.append(_AllocatePatch(reduce_scatter, allocate))
+    handle._handles.append(_MethodPatch(reduce_scatter, "allocate", allocate))
     return handle

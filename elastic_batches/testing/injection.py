@@ -279,14 +279,20 @@ def inject_oom_in_optimizer(
 
 
 class _MethodPatch:
-    """Puts a replacement method on a class until :meth:`remove` (an ``OOMInjection`` handle entry)."""
+    """Puts a replacement method on a class until :meth:`remove` (an ``OOMInjection`` handle entry).
+
+    A method the class inherits is shadowed, and the shadow deleted on removal.
+    """
 
     def __init__(self, cls: type, name: str, replacement: Any) -> None:
-        self._cls, self._name, self._original = cls, name, cls.__dict__[name]
+        self._cls, self._name, self._own = cls, name, cls.__dict__.get(name)
         setattr(cls, name, replacement)
 
     def remove(self) -> None:
-        setattr(self._cls, self._name, self._original)
+        if self._own is None:
+            delattr(self._cls, self._name)
+        else:
+            setattr(self._cls, self._name, self._own)
 
 
 def inject_oom_in_transfer(*, calls: int | Iterable[int] = 0, rank: int | None = None) -> OOMInjection:
