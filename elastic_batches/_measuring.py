@@ -16,12 +16,13 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed.guard import PeerFailure
 from elastic_batches.distributed.protocol import GradientSync
 from elastic_batches.memory import MemoryProbe, MemoryReading
-from elastic_batches.memory_model import MemoryModel
+from elastic_batches.memory_model import SPREAD, MemoryModel
 from elastic_batches.oom import is_oom_error
 
 logger = logging.getLogger("elastic_batches.step")
@@ -31,6 +32,9 @@ _GROWTH = 2  # while measuring, a microbatch is at most this many times the larg
 
 class Meter:
     """One attempt's memory: a window around each microbatch, fed to ``model``.
+
+    A probe that raises stops the measuring of the attempt (the model learns nothing more from
+    it) instead of failing it: the step then cuts what is left without the model.
 
     Args:
         probe: The device's probe.
@@ -48,10 +52,28 @@ class Meter:
         self.size: int | None = None  # the size of the microbatch whose window is open
         self.before = 0  # bytes in use when that window opened
         self.forward: int | None = None  # bytes it held over that when its forward ended
+        self.error: Exception | None = None  # what the probe raised; nothing is measured after it
+
+    def _read(self, read: Callable[[], Any]) -> Any:
+        """``read()`` of the probe, or ``None`` once the probe raised (the error is kept)."""
+        if self.error is not None:
+            return None
+        try:
+            return read()
+        except Exception as err:  # a probe's failure is not the attempt's
+            self.error = err
+            self.size = None
+            return None
+
+    def reading_now(self) -> MemoryReading | None:
+        """The probe's reading now, ``None`` once it raised."""
+        return self._read(self.probe.memory_reading)
 
     def begin(self, size: int) -> None:
         """Open the window of the next microbatch, of ``size`` in the controller's unit (before it is cut)."""
-        before = self.probe.start_window()
+        before = self._read(self.probe.start_window)
+        if before is None:
+            return
         if self.index >= 1:  # what the attempt holds between microbatches: the gradients, the pieces cut, losses
             self.retained = max(self.retained, before - self.start)
             self.model.observe_retained(self.retained)
@@ -59,13 +81,16 @@ class Meter:
 
     def forward_done(self) -> None:
         """The microbatch's forward returned its loss: what it holds now is what backward will need to free."""
-        self.forward = self.probe.memory_reading().in_use - self.before
+        reading = self.reading_now()
+        if reading is not None:
+            self.forward = reading.in_use - self.before
 
     def end(self) -> None:
         """Close the window: the microbatch completed."""
-        assert self.size is not None
-        increment = self.probe.window_peak() - self.before
-        self.model.observe(self.size, increment, first=self.index == 0, forward=self.forward)
+        peak = self._read(self.probe.window_peak)
+        if peak is None or self.size is None:
+            return
+        self.model.observe(self.size, peak - self.before, first=self.index == 0, forward=self.forward)
         self.size = None
         self.index += 1
 
@@ -80,7 +105,9 @@ class Meter:
         """
         if not is_oom_error(error) or isinstance(error, PeerFailure):
             return
-        reading = self.probe.memory_reading()
+        reading = self.reading_now()
+        if reading is None:
+            return
         if reading.capacity is not None:
             self.capacity = reading.capacity
         if self.size is None:  # between microbatches (counting, summing, the gradient sync's buffers)
@@ -106,8 +133,12 @@ def measured_pieces(
 ) -> Iterator[Microbatch]:
     """The microbatches of an attempt that measures: ``lead`` rows first, then each at the size predicted now.
 
-    No microbatch is more than twice the largest before it: where the peak per row grows at
-    larger sizes (activations overtaking the gradients), the sizes measured so far under-estimate it.
+    The second and third pieces give the model two sizes 1.5x apart (it plans only with a line
+    whose slope was measured); no microbatch is more than twice the largest before it: where the
+    peak per row grows at larger sizes (activations overtaking the gradients), the sizes measured
+    so far under-estimate it. The limits hold over all of it: no piece has fewer than
+    ``smallest`` rows (``min_microbatch_size``, the BatchNorm floor) and there are at most
+    ``max_split_count`` pieces.
 
     Each microbatch is cut inside its window (``meter.begin``); the caller closes it. With
     ``count_fn``, the weights divide by its count over the whole batch, counted first; should the
@@ -120,27 +151,31 @@ def measured_pieces(
     """
     rows = len(batch)
     load = batch.load(controller.unit)
+    limit = controller.max_split_count
     estimate = 1.0
     if count_fn is not None:
         estimate = float(count_fn(batch.microbatch(0, rows).unwrap())) or 1.0
     sync.weigh(estimate if count_fn is not None else float(rows))
     made: list[Microbatch] = []
     counts: list[float] = []
-    start, planned = 0, 2
+    start, planned = 0, 3
     for index in itertools.count():
         if start >= rows:
             break
+        left = rows - start
+        room = max(1, left // smallest if limit is None else min(left // smallest, limit - index))
         if index == 0:
             take = lead
         else:
             rest = load.tail(start)
-            count = controller.plan_rest(rest, meter.probe.memory_reading(), done=index)
-            count = max(count, rest.count_within(_GROWTH * attempt.size))
-            count = sync.agree_pieces(count, (rows - start) // smallest)
-            take, planned = rest.sizes(count)[0], index + count
+            count = _rest_count(controller, meter, rest, index, attempt.size)
+            if index == 2 and not meter.model.spread:  # two sizes 1.5x apart: the line's slope
+                count = min(count, max(1, left // math.ceil(SPREAD * len(made[-1]))))
+            count = sync.agree_pieces(min(count, room), room)
+            take, planned = rest.sizes(count, min_rows=smallest)[0], index + count
         take = max(take, smallest)
-        if rows - start - take < smallest:  # no piece smaller than the smallest allowed at the end
-            take = rows - start
+        if room == 1 or left - take < smallest:  # the last piece the limits allow, or too few rows left
+            take = left
         stop = start + take
         size = load.cost(start, stop)
         attempt.size = max(attempt.size, size)
@@ -154,7 +189,16 @@ def measured_pieces(
         start = stop
     for mb in made:
         mb.count = len(made)
+    attempt.sizes = [len(mb) for mb in made]
     attempt.total = math.fsum(counts) if count_fn is not None else float(rows)
     if count_fn is not None and attempt.total and attempt.total != estimate and not sync.pairs_microbatches:
         attempt.rescale = estimate / attempt.total  # count_fn did not add up over the pieces: weights by the real total
     logger.debug("measured attempt: %d microbatches of %s rows", len(made), [len(mb) for mb in made])
+
+
+def _rest_count(controller: SplitController, meter: Meter, rest: BatchLoad, done: int, largest: int) -> int:
+    """How many pieces the model cuts the rows left into now, none more than twice the largest before."""
+    reading = meter.reading_now()
+    if reading is None:  # the probe failed: no piece larger than the largest cut so far
+        return rest.count_within(largest)
+    return max(controller.plan_rest(rest, reading, done=done), rest.count_within(_GROWTH * largest))

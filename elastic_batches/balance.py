@@ -155,16 +155,43 @@ class BatchLoad:
         self._size_at[count] = low
         return low
 
-    def sizes(self, count: int) -> list[int]:
+    def sizes(self, count: int, *, min_rows: int = 1) -> list[int]:
         """The rows of each of ``count`` contiguous pieces (``count`` capped at ``rows``).
 
         ``rows`` unit: balanced rows. ``tokens`` unit: no piece costs more than
         :meth:`size_at` ``(count)``, and within that bound each piece takes the real tokens
-        closest to an equal share of what is left.
+        closest to an equal share of what is left. With ``min_rows``, no piece has fewer rows
+        (``count`` is then at most ``rows // min_rows``): a piece that would is widened into its
+        neighbours, which may make the largest piece cost more (:meth:`largest`).
+
+        Example:
+            >>> from elastic_batches import BatchLoad
+            >>> load = BatchLoad(6, lengths=[100, 10, 10, 10, 10, 10])
+            >>> load.sizes(2), load.sizes(2, min_rows=3)
+            ([1, 5], [3, 3])
         """
-        count = max(1, min(int(count), self.rows))
+        count = max(1, min(int(count), self.rows, self.rows // max(1, min_rows)))
         if self.lengths is None:
             return split_sizes(self.rows, count)
+        sizes = self._token_sizes(count)
+        return sizes if min(sizes) >= min_rows else _at_least(sizes, min_rows)
+
+    def largest(self, sizes: Sequence[int]) -> int:
+        """The cost of the largest piece of a cut into pieces of ``sizes`` rows (in batch order).
+
+        Example:
+            >>> from elastic_batches import BatchLoad
+            >>> BatchLoad(6, lengths=[100, 10, 10, 10, 10, 10]).largest([3, 3])
+            300
+        """
+        costs, start = [], 0
+        for rows in sizes:
+            costs.append(self.cost(start, start + rows))
+            start += rows
+        return max(costs)
+
+    def _token_sizes(self, count: int) -> list[int]:
+        """The tokens unit's cut into ``count`` pieces (see :meth:`sizes`)."""
         capacity = self.size_at(count)
         ends = self._ends(capacity)
         needed = [0] * (self.rows + 1)  # fewest pieces that cover rows[i:] within capacity
@@ -211,3 +238,17 @@ class BatchLoad:
                 stop += 1
             ends[i] = stop
         return ends
+
+
+def _at_least(sizes: list[int], min_rows: int) -> list[int]:
+    """``sizes`` with every piece widened to ``min_rows`` rows, the boundaries moved as little as that takes.
+
+    The boundaries move right where a piece is too short, then left where the pieces after one
+    are, so that the count stays (it is at most ``sum(sizes) // min_rows``).
+    """
+    ends = list(accumulate(sizes))
+    for i in range(len(ends) - 1):
+        ends[i] = max(ends[i], (ends[i - 1] if i else 0) + min_rows)
+    for i in range(len(ends) - 2, -1, -1):
+        ends[i] = min(ends[i], ends[i + 1] - min_rows)
+    return [stop - start for start, stop in zip([0, *ends[:-1]], ends, strict=True)]

@@ -11,7 +11,7 @@ so that iterating the loader costs next to nothing over the loader it wraps.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -399,7 +399,9 @@ class ElasticBatch:
         self._loads[unit] = load
         return load
 
-    def microbatches(self, split_count: int | None = None, *, balance: str = "rows") -> Iterator[Microbatch]:
+    def microbatches(
+        self, split_count: int | None = None, *, balance: str = "rows", sizes: Sequence[int] | None = None
+    ) -> Iterator[Microbatch]:
         """Cut the batch into microbatches of consecutive rows.
 
         A padded batch's microbatches hold their padded fields cut to their own longest sample
@@ -411,6 +413,8 @@ class ElasticBatch:
             balance: ``"rows"`` (default): pieces differ by at most one row. ``"tokens"``: the
                 largest piece's padded positions are as few as the count allows and the pieces
                 carry similar token counts (see :class:`BatchLoad`); needs a padded batch.
+            sizes: The rows of each piece, in order (a plan's cut, ``BatchLoad.sizes``); they
+                must add up to the batch's rows. Replaces ``split_count`` and ``balance``.
 
         Yields:
             :class:`Microbatch` objects whose weights (rows / batch rows) sum to 1.
@@ -421,17 +425,22 @@ class ElasticBatch:
         rows = len(self)
         if rows == 0:
             raise ValueError("cannot split an empty batch (0 rows): check the DataLoader's sampler and dataset")
-        count = self.split_count if split_count is None else split_count
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"split_count must be an int >= 1, got {count!r}")
-        count = min(count, rows)
-        sizes = split_sizes(rows, count) if balance == "rows" else self.load(balance).sizes(count)
+        if sizes is not None:
+            if sum(sizes) != rows or min(sizes, default=0) < 1:
+                raise ValueError(f"ElasticBatch.microbatches: sizes {list(sizes)} do not cut {rows} rows into pieces")
+            count = len(sizes)
+        else:
+            count = self.split_count if split_count is None else split_count
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"split_count must be an int >= 1, got {count!r}")
+            count = min(count, rows)
+            sizes = split_sizes(rows, count) if balance == "rows" else self.load(balance).sizes(count)
         fields, spec = self.fields, self.spec
         if count == 1 and self.padding is None:  # the whole batch: nothing to slice
             yield Microbatch(fields, 1.0, 0, 1, spec, self._source)
             return
         if self.padding is None:
-            for index, (piece, size) in enumerate(zip(split_fields(fields, sizes), sizes, strict=True)):
+            for index, (piece, size) in enumerate(zip(split_fields(fields, list(sizes)), sizes, strict=True)):
                 yield Microbatch(piece, size / rows, index, count, spec)
             return
         # One padded piece at a time: each is a copy, so only the microbatch running holds one.

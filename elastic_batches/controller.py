@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic_batches._state import check_state_dict
 from elastic_batches.balance import BatchLoad, rows_within
 from elastic_batches.memory import MemoryReading
+from elastic_batches.memory_model import SPREAD as _SPREAD
 from elastic_batches.memory_model import MemoryModel, check_margin
 from elastic_batches.oom import ElasticOOMError
 
@@ -226,8 +228,10 @@ class SplitController:
         self.memory = None if margin is None else MemoryModel(margin, unit=unit)
         self._predicted: int | None = None  # the size the ranks' models agreed fits, at the last vote
         self._fallback = False  # an OOM since the last success: the search plans the retry too
+        self._voted = False  # a vote told what the ranks predict (a rank that predicts nothing stops prediction)
         self._learn(0, None)
         self._last_rows: BatchLoad | None = None
+        self._ran: tuple[int, int] | None = None  # the last batch that completed: its microbatches, its largest
         self._steps_since_oom = 0
         self._grow_pending = False
         self._grow_wait = grow_after  # steps to wait before the next growth probe; doubles after a failed one
@@ -288,21 +292,27 @@ class SplitController:
 
     @property
     def split_count(self) -> int:
-        """The count for the most recent batch (the starting count before any batch was seen)."""
+        """The microbatches the last batch ran as, on this rank.
+
+        Before any batch completed, the starting count; after an OOM, until the batch completes,
+        the count it is retried at.
+        """
+        if self._ran is not None:
+            return self._ran[0]
         if self._last_rows is None:
             return self._start_split_count
         return self.count_for(self._last_rows)
 
     @property
     def microbatch_size(self) -> int | None:
-        """The largest microbatch a settled count keeps to (rows, or tokens); ``None`` while nothing limits it.
+        """The largest microbatch the last batch ran (rows, or tokens), on this rank; ``None`` before any.
 
-        Predicting, it is the size the memory model predicts fits (the smallest over ranks, at
-        the last vote). Otherwise only a failure limits a plan: it is the largest size that
-        fitted below the smallest failure, or half that failure while none fitted. A success
-        alone limits nothing (a larger batch runs at the count asked, and the controller learns
-        from what happens).
+        After an OOM, until the batch completes, the largest microbatch a settled count keeps to:
+        the largest size that fitted below the smallest failure, or half that failure while none
+        fitted (a success alone limits nothing).
         """
+        if self._ran is not None:
+            return self._ran[1]
         return self._settled.capacity
 
     def _load(self, load: int | BatchLoad) -> BatchLoad:
@@ -376,6 +386,8 @@ class SplitController:
         model = self.memory
         if model is None or not model.ready:
             return None
+        if self._voted and self._predicted is None:
+            return None  # some rank predicts nothing at the last vote: every rank plans from the search alike
         sizes = [] if self._predicted is None else [self._predicted]
         if memory is not None and memory.capacity is not None:
             sizes.append(self._size(memory))
@@ -427,10 +439,14 @@ class SplitController:
         return self.memory is not None and self.memory.ready
 
     def measurement(self, load: int | BatchLoad, *, smallest: int = 1) -> int:
-        """Rows of a first, measuring microbatch for a batch the memory model knows nothing about; 0: none.
+        """Rows of a first, measuring microbatch for a batch the memory model cannot plan yet; 0: none.
 
         The step then cuts the rest of the batch a microbatch at a time, each at the size
-        predicted from what was measured so far (:meth:`plan_rest`).
+        predicted from what was measured so far (:meth:`plan_rest`): the next two pieces give the
+        model two sizes 1.5x apart, which it needs to plan (see ``MemoryModel.ready``). A batch
+        too small for those three pieces within the limits (``max_split_count`` below 3, fewer
+        than about 3.5 times the smallest piece's rows) is not measured: the search plans it,
+        and its microbatches are measured all the same.
 
         Args:
             load: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
@@ -441,13 +457,17 @@ class SplitController:
             >>> from elastic_batches import SplitController
             >>> SplitController().measurement(256), SplitController(margin=None).measurement(256)
             (1, 0)
+            >>> SplitController(max_split_count=2).measurement(256), SplitController().measurement(3)
+            (0, 0)
         """
         model = self.memory
         load = self._load(load)
-        lead = max(self._min_microbatch_size, smallest)
-        if model is None or not model.enabled or model.ready or load.rows <= lead:
+        lead = self.smallest_rows(smallest)
+        if model is None or not model.enabled or model.ready:
             return 0
-        if self._max_split_count is not None and self._max_split_count < 2:
+        if self._max_split_count is not None and self._max_split_count < 3:
+            return 0
+        if load.rows < 2 * lead + math.ceil(_SPREAD * lead):
             return 0
         logger.info(
             "measuring memory on a batch of %d rows: a first microbatch of %d row%s, the rest cut at the sizes "
@@ -458,6 +478,16 @@ class SplitController:
             model.describe(),
         )
         return lead
+
+    def smallest_rows(self, floor: int = 1) -> int:
+        """The fewest rows a microbatch may have: ``min_microbatch_size``, or ``floor`` where that is more.
+
+        Example:
+            >>> from elastic_batches import SplitController
+            >>> SplitController(min_microbatch_size=3).smallest_rows(), SplitController().smallest_rows(floor=2)
+            (3, 2)
+        """
+        return max(self._min_microbatch_size, floor)
 
     def plan_rest(self, load: BatchLoad, memory: MemoryReading, done: int) -> int:
         """While measuring: the count for the rows left of a batch (``load``), ``done`` microbatches run.
@@ -525,12 +555,21 @@ class SplitController:
         model = self.memory
         if model is None or not model.ready:
             return ""
-        predicted = "" if self._predicted is None else f"predicted to fit {self._predicted} {self.unit}, "
-        return f" ({predicted}memory model: {model.describe()})"
+        predicted = (
+            "" if self._predicted is None else f"; it predicts microbatches of up to {self._predicted} {self.unit} fit"
+        )
+        return f" (memory model: {model.describe()}{predicted})"
 
     # -- what happened ------------------------------------------------------------------------
 
-    def record_success(self, size: int, load: int | BatchLoad, capacity: int | None = None) -> None:
+    def record_success(
+        self,
+        size: int,
+        load: int | BatchLoad,
+        capacity: int | None = None,
+        *,
+        pieces: Sequence[int] | None = None,
+    ) -> None:
         """Report a step whose largest microbatch had ``size`` rows (all ranks: the smallest of them).
 
         Args:
@@ -538,7 +577,10 @@ class SplitController:
                 its padded positions).
             load: The batch's rows (``unit="tokens"``: its ``BatchLoad``).
             capacity: The largest microbatch the ranks' memory models predict fits (the smallest
-                over ranks, from the vote); ``None`` or 0: no prediction.
+                over ranks, from the vote); ``None`` or 0: no prediction (on some rank).
+            pieces: The rows of each microbatch this rank ran, in order (what :attr:`split_count`,
+                :attr:`microbatch_size` and the log report); ``None``: the balanced cut of the
+                fewest microbatches of at most ``size``.
         """
         load = self._load(load)
         logged = logger.isEnabledFor(logging.INFO)  # the count before and after is only for the log line
@@ -552,11 +594,16 @@ class SplitController:
             fails = fits + 1
         if (fits, fails) != (self._fits, self._fails):
             self._learn(fits, fails)
+        if pieces is None:
+            pieces = load.sizes(load.count_within(size))
+        self._ran = (len(pieces), load.largest(pieces))
+        if self.memory is not None and not self._tried:
+            self.memory.calm_batch()  # no OOM on this batch: a margin widened by a spike narrows back in time
         self._last_rows = load
         self._tried.clear()
         self._grow_pending = False
         self._steps_since_oom += 1
-        self._predicted, self._fallback = capacity or None, False
+        self._predicted, self._fallback, self._voted = capacity or None, False, True
         self._resettle()
         grow_wait = None if self.predicting() else self._grow_wait  # predicting, memory that grows back is seen
         if grow_wait is not None and self._steps_since_oom >= grow_wait and self.count_for(load) > 1:
@@ -564,15 +611,12 @@ class SplitController:
             self._steps_since_oom = 0
         after = self.split_count if logged else 0
         if after != before:
-            unit = "rows" if self.unit == "rows" else "tokens"
             logger.info(
-                "microbatches of %d %s fit on a batch of %d rows: split count %d -> %d, %s%s",
-                size,
-                unit,
+                "a batch of %d rows ran as %s: split count %d -> %d%s",
                 load.rows,
+                _pieces_text(pieces),
                 before,
                 after,
-                self._describe(after, load),
                 self._model_note(),
             )
 
@@ -618,7 +662,7 @@ class SplitController:
             )
         fails = size if self._fails is None else min(self._fails, size)
         fits = 0 if self._fits >= size else self._fits  # an OOM at a size that fitted: memory shrank
-        self._predicted = capacity or None
+        self._predicted, self._voted, self._ran = capacity or None, True, None
         self._fallback = self.predicting()  # the retry: the more cautious of the model's plan and the search's
         self._learn(fits, fails)
         self.retry_count += 1
@@ -694,7 +738,9 @@ class SplitController:
         A state of version 1 (written before the memory model existed) loads too: the search's
         bounds and counters are restored, and the memory model starts with nothing measured
         (the first batch is measured again). A controller with ``margin=None`` ignores the
-        memory model of a state; one with a margin keeps the larger of its own and the state's.
+        memory model of a state, and takes the size it predicted fits as the search's bound (a
+        larger size counts as failed), so it starts at the count the predicting run had learned;
+        one with a margin keeps the larger of its own and the state's.
 
         Raises:
             ValueError: keys are missing or unexpected (both are named), the version is not one
@@ -753,11 +799,19 @@ class SplitController:
             _state_int(state, "predicted", low=1, allow_none=True)
             if not isinstance(state["fallback"], bool):
                 raise _state_error("fallback", "a bool", state["fallback"])
+        fits, fails = state["fits"], state["fails"]
+        if memory is None and version != 1 and state["predicted"] is not None:
+            # Learned by prediction, planned by the search: what the model predicted fits bounds the search.
+            predicted = state["predicted"]
+            fails = predicted + 1 if fails is None else min(fails, predicted + 1)
+            fits = min(fits, predicted)
         self._start_split_count = state["start_split_count"]
         self.memory = memory
         self._predicted = None if version == 1 or memory is None else state["predicted"]
         self._fallback = False if version == 1 or memory is None else state["fallback"]
-        self._learn(state["fits"], state["fails"])
+        self._voted = False
+        self._ran = None
+        self._learn(fits, fails)
         self._last_rows = last
         self._steps_since_oom = state["steps_since_oom"]
         self._grow_pending = state["grow_pending"]
@@ -766,6 +820,13 @@ class SplitController:
         self.oom_count = state["oom_count"]
         self.retry_count = state["retry_count"]
         self.discarded_microbatches = state["discarded_microbatches"]
+
+
+def _pieces_text(pieces: Sequence[int]) -> str:
+    """``6 microbatches of 43 rows``, ``9 microbatches of 1 to 74 rows``."""
+    low, high = min(pieces), max(pieces)
+    rows = f"{high} row{'s' if high != 1 else ''}" if low == high else f"{low} to {high} rows"
+    return f"{len(pieces)} microbatch{'es' if len(pieces) != 1 else ''} of {rows}"
 
 
 def _state_error(key: str, expected: str, value: Any) -> ValueError:

@@ -27,7 +27,8 @@ over-estimates any larger microbatch.
 Increments are kept per size (the latest measurement of each of the last sixteen sizes). The line
 is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls), else through the
 origin. A
-measurement more than 5% below what the line predicts at its size means memory per microbatch
+measurement more than 5% below what the sizes measured around it say (at its own size, or between
+two) means memory per microbatch
 fell (a layer frozen, shorter shapes): the older points are dropped. Between two sizes measured,
 the chord between their increments where it lies below the line: a peak is often the larger of
 two lines (the gradient being accumulated at small sizes, the activations at large ones), a
@@ -39,7 +40,16 @@ activations, which backward needs, and a quarter more for their gradients).
 A plan keeps the predicted peak under the capacity minus ``margin`` of it. An OOM that the model
 did not predict (it said the microbatch fits in what was free when it failed) widens the margin
 (``+ max(margin, 0.05)``, up to 0.5); after four, prediction turns itself off and the
-controller's OOM-driven search plans alone.
+controller's OOM-driven search plans alone. A widened margin is a lesson of one moment (a spike
+of memory, another process): after ``RECOVER_AFTER`` (8) batches without an OOM it narrows back
+one step and the failures it learned are forgotten, so memory that came back is used again within
+8 batches a step; an OOM the model did not predict within as many batches of a narrowing doubles
+that wait (up to 64 times).
+
+The model plans only once its line has a slope from measurements (:attr:`MemoryModel.ready`: two
+sizes of later microbatches 1.5x or more apart): a line through the origin takes the bytes every
+microbatch needs whatever its size (the gradient being accumulated) for bytes per row, and would
+plan microbatches far smaller than fit.
 """
 
 from __future__ import annotations
@@ -56,19 +66,22 @@ __all__ = ["MemoryModel"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
-_STATE_KEYS = frozenset(
+_STATE_VERSION = 2
+_STATE_KEYS_V1 = frozenset(
     {"version", "unit", "base_margin", "margin", "retained", "later", "first", "failures", "wrong", "enabled"}
 )
+_STATE_KEYS = _STATE_KEYS_V1 | {"calm", "recover_after", "probation"}  # version 2: the margin narrows back
 _SIZES = 16  # increments kept, one per size
 _LARGEST = 1 << 62  # no microbatch is larger
 _FIRSTS = 4  # first microbatches' increments kept
 _FAILURES = 4
-_SPREAD = 1.5  # sizes this far apart give the line its slope
-_FELL = 0.05  # a measurement this far below the line: memory per microbatch fell
+SPREAD = 1.5  # sizes this far apart give the line its slope
+_FELL = 0.05  # a measurement this far below the sizes measured around it: memory per microbatch fell
 _MAX_MARGIN = 0.5
 _MAX_WRONG = 4  # OOMs the model did not predict, before prediction turns off
 _BACKWARD = 1.25  # a microbatch's peak over what its forward held: its saved activations, a quarter more
+RECOVER_AFTER = 8  # batches without an OOM after which a widened margin narrows back one step
+_MAX_RECOVER = 64 * RECOVER_AFTER
 
 
 def check_margin(owner: str, margin: Any) -> None:
@@ -137,20 +150,31 @@ class MemoryModel:
         self.per_unit = 0.0
         self.wrong = 0
         self.enabled = True
+        self.calm = 0  # batches without an OOM since the margin last changed
+        self.recover_after = RECOVER_AFTER  # calm batches before a widened margin narrows one step
+        self.probation = False  # narrowed, and not yet calm for recover_after batches since
         self._later: dict[int, int] = {}  # size -> increment of a microbatch after the first, latest last
         self._first: dict[int, int] = {}
         self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
         self._forward: dict[int, int] = {}  # size -> bytes a microbatch after the first held when its forward ended
         self._spread = False  # the line's slope comes from sizes 1.5x apart (else: through the origin)
-        self._line_fixed = 0.0
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.describe()})"
 
     @property
     def ready(self) -> bool:
-        """Whether the model can plan a whole attempt: a microbatch after a first one was measured."""
-        return self.enabled and bool(self._later) and self.retained is not None
+        """Whether the model can plan a whole attempt: later microbatches of two sizes 1.5x apart were measured.
+
+        With one size only, the line goes through the origin: an upper bound that plans far
+        smaller microbatches than fit where a microbatch needs bytes whatever its size.
+        """
+        return self.enabled and bool(self._later) and self._spread and self.retained is not None
+
+    @property
+    def spread(self) -> bool:
+        """Whether the line's slope comes from measured sizes 1.5x or more apart (else: through the origin)."""
+        return self._spread
 
     def describe(self) -> str:
         """The estimate in words, as logged: ``1.23 MiB + 12.00 KiB per row, margin 5%``."""
@@ -225,7 +249,7 @@ class MemoryModel:
         through the origin."""
         top = self._top()
         assert top is not None
-        below = [s for s in self._later if s * _SPREAD <= top[0]]
+        below = [s for s in self._later if s * SPREAD <= top[0]]
         if not below:
             return top[1] / top[0]
         low = max(below)
@@ -297,11 +321,12 @@ class MemoryModel:
         self._fit()
 
     def _expected(self, size: int) -> float:
-        """What the measurements say a later microbatch of ``size`` takes: at that size, or on a fitted line."""
+        """What the measurements say a later microbatch of ``size`` takes: at that size, or between two sizes
+        measured around it (0 outside them: the line, raised over every point, says too little there)."""
         if size in self._later:
             return self._later[size]
-        if self._spread:
-            return self._line_fixed + self.per_unit * size
+        if self._later and min(self._later) < size < max(self._later):
+            return self._measured(size)
         return 0.0
 
     def observe_retained(self, nbytes: int) -> None:
@@ -329,8 +354,49 @@ class MemoryModel:
             self.widen(f"a microbatch of {size} {self.unit} ran out of memory where it predicted {format_bytes(need)}")
         return wrong
 
+    def calm_batch(self) -> None:
+        """A batch completed without an OOM: after ``recover_after`` of them, a widened margin narrows one step.
+
+        Narrowing halves the margin (not below the one it started with), counts one wrong
+        prediction less and forgets the failures learned, so that memory that came back after a
+        spike is planned with again.
+
+        Example:
+            >>> from elastic_batches.memory_model import RECOVER_AFTER, MemoryModel
+            >>> model = MemoryModel(margin=0.05)
+            >>> model.widen("a spike")
+            >>> for _ in range(RECOVER_AFTER):
+            ...     model.calm_batch()
+            >>> model.margin, model.wrong
+            (0.05, 0)
+        """
+        if self.probation and self.calm + 1 >= self.recover_after:
+            self.probation, self.recover_after = False, RECOVER_AFTER  # the narrowing held
+        if self.wrong == 0 and not self._failures:
+            self.calm = 0
+            return
+        self.calm += 1
+        if self.calm < self.recover_after:
+            return
+        before = self.margin
+        self.calm, self.probation = 0, True
+        self.wrong = max(0, self.wrong - 1)
+        self.margin = max(self.base_margin, self.margin / 2)
+        self._failures.clear()
+        self._fit()
+        logger.info(
+            "memory model: %d batches without an OOM: margin %.0f%% -> %.0f%%, the failures learned forgotten",
+            self.recover_after,
+            100 * before,
+            100 * self.margin,
+        )
+
     def widen(self, why: str) -> None:
         """An OOM the model did not predict: keep more of the capacity free; after four, predict nothing."""
+        if self.probation:  # soon after a narrowing: wait longer before the next
+            self.recover_after = min(_MAX_RECOVER, 2 * self.recover_after)
+            self.probation = False
+        self.calm = 0
         self.wrong += 1
         before = self.margin
         self.margin = min(_MAX_MARGIN, self.margin + max(self.margin, 0.05))
@@ -351,7 +417,7 @@ class MemoryModel:
             return
         sizes = list(points)
         slope = 0.0
-        self._spread = len(sizes) >= 2 and max(sizes) >= _SPREAD * min(sizes)
+        self._spread = len(sizes) >= 2 and max(sizes) >= SPREAD * min(sizes)
         if self._spread:
             mean_s = sum(sizes) / len(sizes)
             mean_y = sum(points.values()) / len(sizes)
@@ -360,7 +426,6 @@ class MemoryModel:
         else:  # through the origin: an upper bound for any larger microbatch
             slope = max(y / s for s, y in points.items())
         fixed = max(0.0, max(y - slope * s for s, y in points.items()))
-        self._line_fixed = fixed  # the line through the measurements alone
         self.per_unit, self.fixed = slope, fixed
 
     # -- state --------------------------------------------------------------------------------
@@ -388,6 +453,9 @@ class MemoryModel:
             "failures": [[s, y] for s, y in self._failures.items()],
             "wrong": self.wrong,
             "enabled": self.enabled,
+            "calm": self.calm,
+            "recover_after": self.recover_after,
+            "probation": self.probation,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -401,7 +469,11 @@ class MemoryModel:
         """
         from elastic_batches._state import check_state_dict
 
-        check_state_dict("MemoryModel", state, _STATE_KEYS, _STATE_VERSION)
+        if state.get("version") == 1:  # written before the margin narrowed back: it starts calm
+            check_state_dict("MemoryModel", state, _STATE_KEYS_V1, 1)
+            state = {**state, "calm": 0, "recover_after": RECOVER_AFTER, "probation": False}
+        else:
+            check_state_dict("MemoryModel", state, _STATE_KEYS, _STATE_VERSION)
         if state["unit"] != self.unit:
             raise _error("unit", f"{self.unit!r} (the controller's unit)", state["unit"])
         for key in ("base_margin", "margin"):
@@ -427,6 +499,12 @@ class MemoryModel:
             raise _error("wrong", "an int >= 0", wrong)
         if not isinstance(state["enabled"], bool):
             raise _error("enabled", "a bool", state["enabled"])
+        for key, low in (("calm", 0), ("recover_after", 1)):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise _error(key, f"an int >= {low}", value)
+        if not isinstance(state["probation"], bool):
+            raise _error("probation", "a bool", state["probation"])
         self.margin = max(self.base_margin, float(state["margin"]))
         self.retained = retained
         self._later = {s: y for s, y in state["later"]}
@@ -434,6 +512,7 @@ class MemoryModel:
         self._failures = {s: y for s, y in state["failures"]}
         self.wrong = wrong
         self.enabled = state["enabled"]
+        self.calm, self.recover_after, self.probation = state["calm"], state["recover_after"], state["probation"]
         self._fit()
 
 

@@ -17,7 +17,7 @@ from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES, GradientSync, Verdict, gradient_sync_for
-from elastic_batches.memory import MemoryProbe, check_memory, device_probe
+from elastic_batches.memory import MemoryProbe, MemoryReading, check_memory, device_probe
 from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
@@ -42,6 +42,8 @@ class _Attempt:
     meter: Meter | None = None  # the memory measured around its microbatches
     lead: int = 0  # rows of a first, measuring microbatch (0: cut as planned)
     rescale: float = 1.0  # measuring with a count_fn whose counts did not add up: the gradients' correction
+    sizes: list[int] = dataclasses.field(default_factory=list)  # rows of each microbatch cut
+    smallest: int = 1  # the fewest rows a microbatch may have (min_microbatch_size, the BatchNorm floor)
 
 
 def _input_leaves(batch: ElasticBatch) -> list[torch.Tensor]:
@@ -199,6 +201,7 @@ class ElasticStep:
         self._graph_checked = False  # the first loss's autograd graph was checked for foreign parameters
         self._devices_key: tuple[torch.device | None, torch.device | None] | None = None
         self._devices_seen: tuple[torch.device, ...] = ()
+        self._said: set[str] = set()  # the fall-backs to the search already warned about
 
     @property
     def sync(self) -> GradientSync:
@@ -366,7 +369,7 @@ class ElasticStep:
             attempt.total = float(len(batch))
             outputs, ran = [], []
             with self.sync.microbatches():
-                for mb in batch.microbatches(count, balance=self.controller.unit):
+                for mb in batch.microbatches(sizes=attempt.sizes):
                     attempt.started += 1
                     ran.append(mb)
                     if self.device is not None:
@@ -396,23 +399,27 @@ class ElasticStep:
         load = batch.load(self.controller.unit)
         tag = batch.split_count
         probe = self._memory_probe() if where == "backward" else None
+        model = self.controller.memory if probe is not None else None
+        learned = None if model is None else model.state_dict()  # put back unless an OOM taught it
+        smallest = self.controller.smallest_rows(self._batchnorm_floor())
         saved = False
+        first = True  # only the first attempt of a call measures: a retry is planned from what it learned
         try:
             while True:
                 self._check_gather(where)
-                reading = None if probe is None else probe.memory_reading()
-                if reading is not None and reading.capacity is None:
-                    reading = None  # nothing limits memory: nothing to predict
+                reading = self._reading(probe)
                 count = self.controller.plan(load, tag=tag, memory=reading)
-                lead = 0 if reading is None else self.controller.measurement(load, smallest=self._smallest_rows())
+                lead = self.controller.measurement(load, smallest=smallest) if reading is not None and first else 0
+                first = False
                 count, lead = self.sync.agree_plan(count, lead, where)
-                attempt = _Attempt(size=load.size_at(count))
+                attempt = _Attempt(size=0, smallest=smallest)
+                if not lead:
+                    attempt.sizes = load.sizes(count, min_rows=smallest)
+                    attempt.size = load.largest(attempt.sizes)
                 if reading is not None:
-                    assert probe is not None and self.controller.memory is not None
-                    attempt.meter = Meter(probe, self.controller.memory, reading)
+                    assert probe is not None and model is not None
+                    attempt.meter = Meter(probe, model, reading)
                     attempt.lead = lead
-                    if lead:
-                        attempt.size = 0  # the pieces' sizes are decided as they are cut
                 try:
                     if not saved:  # inside the attempt: what saving allocates is the attempt's
                         self._rollback.save(self._devices(params))
@@ -426,7 +433,14 @@ class ElasticStep:
                 verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params, capacity=capacity)
                 if verdict.status == Status.OK:
                     self._rollback.commit()
-                    self.controller.record_success(verdict.size, load, capacity=verdict.capacity)
+                    if capacity and not verdict.capacity:
+                        self._say_once(
+                            "a peer predicts nothing",
+                            "some rank has no memory prediction (no probe, or "
+                            "nothing measured yet): every rank plans from the OOM-driven search until all do",
+                        )
+                    pieces = attempt.sizes or None
+                    self.controller.record_success(verdict.size, load, capacity=verdict.capacity, pieces=pieces)
                     return attempt, verdict
                 if forget is not None:
                     forget()
@@ -441,10 +455,14 @@ class ElasticStep:
                 # through frames that clear_frames cannot reach (closure cells of hooked modules' forward).
                 del error
                 release_memory()
-        except BaseException:
+                if model is not None:
+                    learned = model.state_dict()  # what this OOM taught is kept
+        except BaseException as err:
             if saved:
                 self._rollback.restore()
                 self._rollback.forget()
+            if learned is not None and model is not None and not isinstance(err, ElasticOOMError):
+                model.load_state_dict(learned)  # an error or an interrupt: nothing learned from the failed attempt
             raise
 
     def _memory_probe(self) -> MemoryProbe | None:
@@ -475,9 +493,43 @@ class ElasticStep:
         except Exception:  # a probe that fails must not keep this rank from the vote: predict nothing
             return 0
 
-    def _smallest_rows(self) -> int:
-        """The fewest rows a microbatch may have: 2 through a training-mode BatchNorm, else 1."""
+    def _batchnorm_floor(self) -> int:
+        """The fewest rows a microbatch may have for the model: 2 through a training-mode BatchNorm, else 1."""
         return 2 if any(m.training for _, m in self._batchnorm_layers()) else 1
+
+    def _reading(self, probe: MemoryProbe | None) -> MemoryReading | None:
+        """The probe's reading before an attempt, or ``None`` where it cannot plan (said once each way).
+
+        ``None`` too when the probe raises or reports no room at all (more in use than its
+        capacity): the search plans that attempt, and the model learns nothing from it.
+        """
+        if probe is None:
+            return None
+        try:
+            reading = probe.memory_reading()
+        except Exception as err:
+            self._say_once(
+                "probe raised",
+                f"the memory probe {probe!r} raised {type(err).__name__}: {err}; the batches it cannot "
+                "measure are planned by the OOM-driven search",
+            )
+            return None
+        if reading.capacity is None:
+            return None  # nothing limits memory: nothing to predict
+        if reading.in_use >= reading.capacity:
+            self._say_once(
+                "no room",
+                f"the memory probe {probe!r} reports {reading.in_use} bytes in use, at or above its capacity "
+                f"of {reading.capacity} bytes; the batches it reports so are planned by the OOM-driven search",
+            )
+            return None
+        return reading
+
+    def _say_once(self, key: str, message: str) -> None:
+        """Warn ``message`` once per step object (on rank zero), for one kind of fall-back to the search."""
+        if key not in self._said:
+            self._said.add(key)
+            warn_on_rank_zero(f"elastic_batches: ElasticStep: {message}", stacklevel=5)
 
     def _backward_microbatches(
         self,
@@ -496,10 +548,10 @@ class ElasticStep:
             microbatches: Iterable[Microbatch]
             if meter is not None and attempt.lead:
                 microbatches = measured_pieces(
-                    batch, self.controller, self.sync, meter, attempt.lead, self._smallest_rows(), count_fn, attempt
+                    batch, self.controller, self.sync, meter, attempt.lead, attempt.smallest, count_fn, attempt
                 )
             else:
-                microbatches = batch.microbatches(count, balance=self.controller.unit)
+                microbatches = batch.microbatches(sizes=attempt.sizes)
                 if count_fn is None:
                     attempt.total = float(len(batch))
                 else:
@@ -511,7 +563,7 @@ class ElasticStep:
                     ]
                 self.sync.weigh(attempt.total)
                 if meter is not None:
-                    microbatches = self._windowed(microbatches, batch, count, meter)
+                    microbatches = self._windowed(microbatches, batch, attempt.sizes, meter)
             for mb in microbatches:
                 attempt.started += 1
                 if mb.weight == 0.0:
@@ -526,13 +578,13 @@ class ElasticStep:
             return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
 
     def _windowed(
-        self, microbatches: Iterable[Microbatch], batch: ElasticBatch, count: int, meter: Meter
+        self, microbatches: Iterable[Microbatch], batch: ElasticBatch, sizes: Sequence[int], meter: Meter
     ) -> Iterator[Microbatch]:
-        """``microbatches`` (the planned cut), each taken inside its memory window."""
+        """``microbatches`` (the planned cut, of ``sizes`` rows), each taken inside its memory window."""
         load = batch.load(self.controller.unit)
         pieces = iter(microbatches)
         start = 0
-        for rows in load.sizes(count):
+        for rows in sizes:
             meter.begin(load.cost(start, start + rows))
             yield next(pieces)
             start += rows

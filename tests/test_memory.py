@@ -68,7 +68,9 @@ def test_before_a_second_size_the_line_goes_through_the_origin_and_over_every_po
     model.observe_retained(4000)
     model.observe(20, 20_000, first=False)
     model.observe(21, 20_500, first=False)  # 20 and 21 rows do not spread enough for a slope
-    assert model.ready and model.per_unit == 1000.0
+    assert not model.ready and model.per_unit == 1000.0  # through the origin: it does not plan a whole attempt
+    model.observe(32, 26_000, first=False)  # 1.5x apart: a slope of its own
+    assert model.ready and model.per_unit < 1000.0
     assert all(model.increment(s) >= y for s, y in ((20, 20_000), (21, 20_500)))
 
 
