@@ -309,7 +309,8 @@ def test_each_change_is_logged_with_the_models_estimate(caplog: pytest.LogCaptur
     messages = [r.getMessage() for r in caplog.records if r.name == "elastic_batches.controller"]
     assert messages[0].startswith("measuring memory on a batch of 96 rows: a first microbatch of 1 row")
     assert messages[-1].startswith(f"a batch of 96 rows ran as {len(run.rows[0])} microbatches of 1 to ")
-    assert "(memory model: " in messages[-1] and " per row, margin 5%; it predicts microbatches of up to " in messages[-1]
+    assert "(memory model: " in messages[-1]
+    assert " per row, margin 5%; it predicts microbatches of up to " in messages[-1]
     assert "per row, margin 5%" in repr(run.controller)
 
 
