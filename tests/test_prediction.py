@@ -343,3 +343,230 @@ def test_a_tokens_controller_plans_a_longer_batch_from_the_model() -> None:
         model.zero_grad(set_to_none=True)
     assert budget.oom_count == 0 and step.controller.oom_count == 0
     assert counts[2] >= 3 * counts[1]  # four times longer: about four times the microbatches, before it ran
+
+
+# -- robust by construction: limits, bounds, what users see -------------------------------------
+
+
+def _search_run(limit: int, rows: int, steps: int, **controller: Any) -> tuple[str, int]:
+    """The outcome (``"ok"`` or the error's start) and the OOMs of the same steps with the search alone."""
+    run = Run(limit, **controller)
+    run.step = eb.ElasticStep(run.model, controller=run.controller, memory=None)
+    try:
+        for _ in range(steps):
+            run.backward(_batch(rows))
+    except eb.ElasticOOMError as err:
+        return str(err).split(" (")[0], run.budget.oom_count
+    return "ok", run.budget.oom_count
+
+
+def _predicted_run(limit: int, rows: int, steps: int, **controller: Any) -> tuple[str, int, Run]:
+    run = Run(limit, **controller)
+    try:
+        for _ in range(steps):
+            run.backward(_batch(rows))
+    except eb.ElasticOOMError as err:
+        return str(err).split(" (")[0], run.budget.oom_count, run
+    return "ok", run.budget.oom_count, run
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("rows", "controller", "count"),
+    [
+        (ROWS, {"max_split_count": 4}, None),  # not one row fits: an OOM of the measuring piece ended nothing
+        (39, {"min_microbatch_size": 4}, None),  # the measuring piece of 4 rows does not fit
+        (ROWS, {"min_microbatch_size": 2, "max_split_count": 6}, 12),  # the second measuring piece does not fit
+    ],
+    ids=["max-split-nothing-fits", "min-size-nothing-fits", "second-piece-fails"],
+)
+def test_when_nothing_the_limits_allow_fits_prediction_raises_as_the_search_does(
+    rows: int, controller: dict[str, Any], count: int | None
+) -> None:
+    limit = _peak(_model(), _batch(rows), rows) // 2 if count is None else _peak(_model(), _batch(rows), count) + 64
+    search = _search_run(limit, rows, 2, **controller)
+    outcome, ooms, _ = _predicted_run(limit, rows, 2, **controller)
+    assert outcome == search[0] and outcome.startswith("out of memory on a batch of")
+    assert ooms <= search[1] + 1
+
+
+def test_max_split_count_holds_while_measuring() -> None:
+    run = Run(1 << 30, max_split_count=2)
+    for _ in range(3):
+        run.backward(_batch())
+    assert all(len(rows) <= 2 for rows in run.rows)  # the measuring ramp ran 7 pieces
+    run = Run(_limit(4), max_split_count=5)
+    run.backward(_batch())
+    assert len(run.rows[0]) <= 5 and sum(run.rows[0]) == ROWS
+
+
+def _lengths_batch(collate: eb.ElasticCollate, seed: int) -> eb.ElasticBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [40 if i < 3 else 4 + i % 5 for i in range(30)]  # three long rows: token-balanced pieces of 1 row
+    return collate([{"ids": torch.randint(1, 50, (n,), generator=g)} for n in lengths])
+
+
+@pytest.mark.parametrize("margin", [0.05, None], ids=["predicted", "search"])
+def test_min_microbatch_size_holds_in_the_tokens_unit(margin: float | None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50))
+    collate = eb.ElasticCollate(pad_values={"ids": 0})
+    rows_seen: list[int] = []
+
+    def loss_fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows_seen.append(len(mb["ids"]))
+        return nn.functional.cross_entropy(model(mb["ids"]).flatten(0, 1), mb["ids"].flatten(), ignore_index=0)
+
+    budget = MemoryBudget()
+    with budget:
+        loss_fn(_lengths_batch(collate, 0).unwrap()).backward()
+    model.zero_grad(set_to_none=True)
+    budget = MemoryBudget(budget.peak_bytes // 3)
+    controller = eb.SplitController(unit="tokens", min_microbatch_size=3, margin=margin)
+    step = eb.ElasticStep(model, controller=controller, memory=budget)
+    for seed in range(3):
+        with budget:
+            step.backward(_lengths_batch(collate, seed), loss_fn)
+        model.zero_grad(set_to_none=True)
+    assert controller.split_count > 1 and min(rows_seen) >= 3
+
+
+def _gradient_heavy() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
+
+
+def test_a_gradient_heavy_model_settles_near_the_fewest_not_at_one_row_microbatches() -> None:
+    """The accumulation temporaries (about the largest gradient) are bytes per microbatch, not per row."""
+    batch = _batch(128)
+    loss = _loss
+
+    def peak(count: int) -> int:
+        model, budget = _gradient_heavy(), MemoryBudget()
+        with budget:
+            eb.ElasticStep(model, controller=eb.SplitController(count, margin=None), memory=None).backward(
+                batch, loss(model)
+            )
+        return budget.peak_bytes
+
+    limit = peak(4) + 64
+    assert peak(3) > limit  # 4 balanced microbatches fit, 3 do not
+    model, budget = _gradient_heavy(), MemoryBudget(limit)
+    controller = eb.SplitController()
+    step = eb.ElasticStep(model, controller=controller, memory=budget)
+    counts = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        with budget:
+            step.backward(batch, loss(model))
+        counts.append(controller.split_count)
+    assert budget.oom_count <= 1 and counts[-1] <= 5 and counts[-2] == counts[-1]  # ran 128 one-row microbatches
+    assert controller.memory is not None and controller.memory.ready
+
+
+def test_an_interrupt_in_a_measured_attempt_leaves_the_controller_as_it_was() -> None:
+    run = Run(_limit(6))
+    before = run.controller.state_dict()
+
+    def loss_fn(mb: Any) -> torch.Tensor:
+        if mb.index == 3:
+            raise KeyboardInterrupt
+        return _loss(run.model)(mb.unwrap())
+
+    with pytest.raises(KeyboardInterrupt), run.budget:
+        run.step.backward(_batch(), loss_fn, unwrap=False)
+    assert run.controller.state_dict() == before and not run.controller.predicting()
+    with pytest.raises(ValueError, match="a user error"), run.budget:
+        run.step.backward(
+            _batch(),
+            lambda mb: (
+                (_ for _ in ()).throw(ValueError("a user error")) if mb.index == 3 else _loss(run.model)(mb.unwrap())
+            ),
+            unwrap=False,
+        )
+    assert run.controller.state_dict() == before
+
+
+def test_split_count_microbatch_size_and_the_log_report_the_pieces_that_ran(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="elastic_batches.controller")
+    run = Run(_limit(6))
+    run.backward(_batch())
+    pieces = run.rows[0]
+    assert (run.controller.split_count, run.controller.microbatch_size) == (len(pieces), max(pieces))
+    assert f"split_count={len(pieces)}, microbatch_size={max(pieces)}" in repr(run.controller)
+    ran = [r.getMessage() for r in caplog.records if " ran as " in r.getMessage()]
+    assert ran[-1].startswith(f"a batch of {ROWS} rows ran as {len(pieces)} microbatches of {min(pieces)} to ")
+    run.backward(_batch())
+    assert run.controller.split_count == len(run.rows[-1]) and run.controller.microbatch_size == max(run.rows[-1])
+
+
+def test_a_batch_that_fits_whole_runs_whole_once_the_model_predicts_it() -> None:
+    run = Run(_limit(1) * 2)
+    for _ in range(3):
+        run.backward(_batch())
+    assert len(run.rows[0]) > 1 and run.rows[1:] == [[ROWS], [ROWS]] and run.budget.oom_count == 0
+
+
+def test_memory_that_grows_back_after_a_spike_is_used_again_within_the_stated_batches() -> None:
+    from elastic_batches.memory_model import RECOVER_AFTER
+
+    limit = _limit(4)
+    fewest = _fewest(_model(), _batch(), limit)
+    run = Run(limit)
+    spike = [False]
+
+    def loss_fn(mb: Any) -> torch.Tensor:
+        loss = _loss(run.model)(mb)
+        if spike[0]:  # once: memory the model did not foresee, in the attempt's first microbatch
+            spike[0] = False
+            loss = loss + 0.0 * torch.zeros(limit // 4).sum()
+        return loss
+
+    for _ in range(3):
+        run.backward(_batch())
+    spike[0] = True
+    run.backward(_batch(), loss_fn)
+    assert run.controller.oom_count == 1 and run.controller.memory is not None and run.controller.memory.margin > 0.05
+    for _ in range(RECOVER_AFTER + 2):  # 8 calm batches narrow the margin, the vote after them plans the next
+        run.backward(_batch())
+    assert len(run.rows[-1]) <= max(fewest + 1, math.floor(1.1 * fewest))
+    assert run.controller.memory is not None and run.controller.memory.margin == pytest.approx(0.05)
+
+
+def test_a_predicted_state_loaded_without_a_margin_starts_at_the_learned_count() -> None:
+    run = Run(_limit(6))
+    for _ in range(3):
+        run.backward(_batch())
+    learned = len(run.rows[-1])
+    search = Run(_limit(6), margin=None)
+    search.step = eb.ElasticStep(search.model, controller=search.controller, memory=None)
+    search.controller.load_state_dict(run.controller.state_dict())
+    search.backward(_batch())
+    assert search.budget.oom_count == 0 and len(search.rows[0]) <= learned + 1
+
+
+class _NoRoom(_Lying):
+    """A probe whose in-use bytes pass its capacity (a stale or foreign figure)."""
+
+    def memory_reading(self) -> MemoryReading:
+        return MemoryReading(self.budget.live_bytes + 1 << 40, 1 << 30)
+
+
+class _Raising(_Lying):
+    def memory_reading(self) -> MemoryReading:
+        raise RuntimeError("the driver's memory query failed")
+
+
+@pytest.mark.parametrize("probe", [_NoRoom, _Raising], ids=["in-use-over-capacity", "raises"])
+def test_a_probe_that_cannot_plan_falls_back_to_the_search_and_says_so_once(probe: type[_Lying]) -> None:
+    run = Run(_limit(6))
+    run.step = eb.ElasticStep(run.model, controller=run.controller, memory=probe(run.budget))
+    with pytest.warns(UserWarning, match="planned by the OOM-driven search") as caught:
+        for _ in range(3):
+            grads = run.backward(_batch())
+    assert len([w for w in caught if "OOM-driven search" in str(w.message)]) == 1
+    _assert_close(grads, _reference(run.model, _batch()))
+    assert all(len(rows) < ROWS for rows in run.rows)  # not 1-row microbatches: the search's plan
+    assert not run.controller.predicting()
