@@ -373,13 +373,41 @@ class SplitController:
         load = self._load(load)  # asking changes nothing: only record_success / record_oom learn
         predicted = self._prediction(memory)
         if predicted is None:
-            return self._search_plan(load, tag)
+            return self._finer(load, self._search_plan(load, tag))
         count = load.count_within(predicted)
         if self._fallback:
             count = max(count, self._search_plan(load, None))
         if tag is not None and tag > self._settled.unclamped(load):
             count = max(count, tag)
-        return self._settled.clamp(load.rows, count)
+        return self._finer(load, self._settled.clamp(load.rows, count))
+
+    def _finer(self, load: BatchLoad, count: int) -> int:
+        """After an OOM on this batch: ``count`` raised until its largest piece is below the smallest failure.
+
+        Where ``min_microbatch_size`` widens pieces (the tokens unit), a count's largest piece can
+        cost more than the capacity it was planned for; each retry still cuts smaller than what
+        failed, or as fine as the limits allow, so a call ends.
+        """
+        if not self._tried or self._fails is None:
+            return count
+        most = self._settled.clamp(load.rows, load.rows)
+        while count < most and self.realized(load, count) >= self._fails:
+            count += 1
+        return count
+
+    def realized(self, load: int | BatchLoad, count: int) -> int:
+        """The cost of the largest of ``count`` pieces as the step cuts them (``min_microbatch_size`` rows at least).
+
+        Example:
+            >>> from elastic_batches import BatchLoad, SplitController
+            >>> load = BatchLoad(6, lengths=[100, 10, 10, 10, 10, 10])
+            >>> SplitController(unit="tokens").realized(load, 2)
+            100
+            >>> SplitController(unit="tokens", min_microbatch_size=3).realized(load, 2)  # pieces of 3 rows
+            300
+        """
+        load = self._load(load)
+        return load.largest(load.sizes(count, min_rows=self._min_microbatch_size))
 
     def _prediction(self, memory: MemoryReading | None) -> int | None:
         """The largest microbatch the memory model predicts fits: agreed at the last vote, or less now; ``None``."""
@@ -650,7 +678,7 @@ class SplitController:
         unit = "" if self.unit == "rows" else " tokens"
         # At the limit when the smallest largest-microbatch the limits allow is what failed. A smaller size
         # can only come from another rank (whose batch splits finer): this rank then splits all it may.
-        at_limit = load.size_at(self._settled.clamp(rows, rows)) == size
+        at_limit = self.realized(load, self._settled.clamp(rows, rows)) == size
         if at_limit:
             tried = ", ".join(str(s) for s in self._tried)
             self._tried.clear()

@@ -414,7 +414,7 @@ class ElasticStep:
                 count, lead = self.sync.agree_plan(count, lead, where)
                 attempt = _Attempt(size=0, smallest=smallest)
                 if not lead:
-                    attempt.sizes = load.sizes(count, min_rows=smallest)
+                    attempt.sizes = load.sizes(count, min_rows=self.controller.min_microbatch_size)
                     attempt.size = load.largest(attempt.sizes)
                 if reading is not None:
                     assert probe is not None and model is not None

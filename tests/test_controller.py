@@ -250,9 +250,7 @@ def test_one_info_line_per_change_of_count(caplog: pytest.LogCaptureFixture) -> 
     lines = [(r.levelno, r.name, r.getMessage()) for r in caplog.records]
     assert len(lines) == 2, lines
     assert lines[0][:2] == (logging.INFO, "elastic_batches.controller")
-    assert lines[0][2] == (
-        "a batch of 256 rows ran as 3 microbatches of 85 to 86 rows: split count 4 -> 3"
-    )
+    assert lines[0][2] == ("a batch of 256 rows ran as 3 microbatches of 85 to 86 rows: split count 4 -> 3")
     assert lines[1][:2] == (logging.INFO, "elastic_batches.controller")
     assert lines[1][2] == (  # the growth probe that failed is named as one: the count 2 appeared nowhere before
         "OOM at 2 microbatches of at most 128 rows on a batch of 256 rows (a probe; settled at 3): "
