@@ -425,7 +425,9 @@ class ElasticStep:
                         self._rollback.save(self._devices(params))
                         saved = True
                     if count > 1 or attempt.lead:
-                        self._warn_batchnorm(max(count, 2))
+                        self._warn_batchnorm(
+                            f"now into {count} microbatches" if not attempt.lead else "measured in pieces"
+                        )
                     run(attempt, count)
                 except Exception as err:  # maybe on this rank only: the vote must still happen
                     attempt.status, attempt.error, attempt.result = status_of(err), err, None
@@ -661,7 +663,7 @@ class ElasticStep:
         """``Type 'name'`` of each BatchNorm layer of the model in training mode."""
         return [f"{type(m).__name__} {name!r}" for name, m in self._batchnorm_layers() if m.training]
 
-    def _warn_batchnorm(self, count: int) -> None:
+    def _warn_batchnorm(self, how: str) -> None:
         """Say once per step object that splitting changes the statistics of training-mode BatchNorm layers."""
         if self._warned_batchnorm:
             return
@@ -670,7 +672,7 @@ class ElasticStep:
             self._warned_batchnorm = True
             warn_on_rank_zero(
                 f"elastic_batches: {type(self.model).__name__} has BatchNorm layers in training mode "
-                f"({', '.join(norms)}) and its batches are split (now into {count} microbatches): their batch "
+                f"({', '.join(norms)}) and its batches are split ({how}): their batch "
                 "statistics, and the running statistics, are computed per microbatch, not over the whole batch. Use "
                 "GroupNorm or LayerNorm where whole-batch statistics matter",
                 stacklevel=4,

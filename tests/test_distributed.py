@@ -803,11 +803,13 @@ def test_controller_state_is_the_same_on_every_rank_and_resumes_without_oom(rank
 # -- predicted microbatches: each rank's capacity in the vote --------------------------------------
 
 
-def _predicted(rank: int, world: int, kind: str, gather: str, oom_at: int | None = None) -> dict[str, Any]:
+def _predicted(
+    rank: int, world: int, kind: str, gather: str, oom_at: int | None = None, probed: tuple[int, ...] = (0, 1)
+) -> dict[str, Any]:
     """Each rank measures with its own budget, rank 1's tighter; every step after the first runs one agreed plan.
 
     ``oom_at``: the forward call (from 0) in which rank 1 runs out of memory besides, an OOM the
-    model did not predict.
+    model did not predict. ``probed``: the ranks whose step measures memory (the others' do not).
     """
     rows, steps = 256, 4
 
@@ -825,7 +827,7 @@ def _predicted(rank: int, world: int, kind: str, gather: str, oom_at: int | None
     budget = MemoryBudget(peaks[5 if rank == 1 else 2] + 64)
     model = _distribute(kind, _plain_model(width=64))
     controller = eb.SplitController()
-    step = eb.ElasticStep(model, controller=controller, memory=budget, gather=gather)
+    step = eb.ElasticStep(model, controller=controller, memory=budget if rank in probed else None, gather=gather)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     with contextlib.ExitStack() as stack:
         if oom_at is not None:
@@ -885,6 +887,18 @@ def test_ranks_with_unequal_memory_agree_on_one_predicted_plan_without_an_oom(
     # next step plans for it. From the second vote on, one plan: the smallest capacity in the vote, rank 1's.
     assert results[0]["plans"][2:] == results[1]["plans"][2:]
     assert all(len(plan) >= 5 for result in results for plan in result["plans"][1:])  # rank 1 needs 5 or more
+
+
+@pytest.mark.filterwarnings("ignore:elastic_batches. ElasticStep. some rank has no memory prediction")
+@pytest.mark.parametrize(("kind", "gather"), [("ddp", "auto"), ("fsdp", "module")])
+def test_ranks_with_and_without_a_probe_plan_alike_from_the_first_vote(ranks: RankPool, kind: str, gather: str) -> None:
+    """Rank 0 predicts, rank 1 has no probe: after the first vote both plan from the search, one plan."""
+    results = ranks.run(_predicted, kind, gather, None, (0,), timeout=90)
+    want = _predicted_reference()
+    for result in results:
+        assert _relative_error(result["weights"], want) <= RTOL
+    assert results[0]["plans"][1:] == results[1]["plans"][1:]  # rank 0 ran the model's plan alone before
+    assert all(len(set(plan)) <= 2 for plan in results[0]["plans"][1:])  # balanced: the search's cut
 
 
 @pytest.mark.parametrize(("kind", "gather"), [("ddp", "auto"), ("fsdp", "module")])
