@@ -28,8 +28,9 @@ Increments are kept per size (the latest measurement of each of the last sixteen
 is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls), else through the
 origin. A
 measurement more than 5% below what the sizes measured around it say (at its own size, or between
-two) means memory per microbatch
-fell (a layer frozen, shorter shapes): the older points are dropped. Between two sizes measured,
+two) means memory per microbatch fell (a layer frozen, shorter shapes), one more than 25% above
+it that memory per microbatch grew (a layer unfrozen: its gradients are accumulated too): either
+way the older points are dropped, and the model measures again before it plans. Between two sizes measured,
 the chord between their increments where it lies below the line: a peak is often the larger of
 two lines (the gradient being accumulated at small sizes, the activations at large ones), a
 shape that lies under its chords, and a line raised over both over-estimates the sizes between.
@@ -77,6 +78,7 @@ _FIRSTS = 4  # first microbatches' increments kept
 _FAILURES = 4
 SPREAD = 1.5  # sizes this far apart give the line its slope
 _FELL = 0.05  # a measurement this far below the sizes measured around it: memory per microbatch fell
+_GREW = 0.25  # this far above: memory per microbatch grew (a layer unfrozen, longer shapes)
 _MAX_MARGIN = 0.5
 _MAX_WRONG = 4  # OOMs the model did not predict, before prediction turns off
 _BACKWARD = 1.25  # a microbatch's peak over what its forward held: its saved activations, a quarter more
@@ -309,8 +311,9 @@ class MemoryModel:
             self._forward[size] = max(0, int(forward))
             while len(self._forward) > _FIRSTS:
                 self._forward.pop(next(iter(self._forward)))
-        if not first and increment < (1.0 - _FELL) * self._expected(size):
-            self._later.clear()  # memory per microbatch fell: what was measured before no longer holds
+        expected = 0.0 if first else self._expected(size)
+        if increment < (1.0 - _FELL) * expected or (expected and increment > (1.0 + _GREW) * expected):
+            self._later.clear()  # memory per microbatch fell or grew: what was measured before no longer holds
         points.pop(size, None)
         points[size] = increment
         while len(points) > (_FIRSTS if first else _SIZES):
