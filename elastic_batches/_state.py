@@ -1,4 +1,4 @@
-"""Validation shared by every ``load_state_dict`` of the library."""
+"""Validation shared by every ``load_state_dict`` of the library: the keys and version, then each field."""
 
 from __future__ import annotations
 
@@ -39,3 +39,65 @@ def check_state_dict(owner: str, state: Mapping[str, Any], keys: frozenset[str],
             f"{owner}.load_state_dict: state version {state['version']!r} is not supported "
             f"(this elastic_batches writes version {version})"
         )
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int and not a bool (``True`` is an ``int`` to Python, never a count here).
+
+    Example:
+        >>> from elastic_batches._state import is_int
+        >>> is_int(3), is_int(True), is_int(3.0)
+        (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class StateFields:
+    """Checks the fields of one state before any is applied; each error names the field, what it must be, the fix.
+
+    Args:
+        owner: The class whose ``load_state_dict`` is called.
+        state: The state given.
+        where: The path of ``state`` inside the state passed (``"['loader']"``), for the message.
+        source: What produces a valid state, for the message (default: ``owner.state_dict()``).
+
+    Example:
+        >>> from elastic_batches._state import StateFields
+        >>> fields = StateFields("Thing", {"count": -1})
+        >>> try:
+        ...     fields.int("count", low=0)
+        ... except ValueError as err:
+        ...     print(str(err).split(";")[0])
+        Thing.load_state_dict: state['count'] must be an int >= 0, got -1
+    """
+
+    def __init__(self, owner: str, state: Mapping[str, Any], *, where: str = "", source: str | None = None) -> None:
+        self.owner, self.state, self.where = owner, state, where
+        self.source = source if source is not None else f"{owner}.state_dict()"
+
+    def error(self, key: str, expected: str, value: Any = None) -> ValueError:
+        """The error for ``state[key]``, which must be ``expected`` (its value read from the state unless given)."""
+        value = self.state.get(key) if value is None else value
+        return ValueError(
+            f"{self.owner}.load_state_dict: state{self.where}[{key!r}] must be {expected}, got {value!r}; nothing was "
+            f"loaded. Pass a dict produced by {self.source}"
+        )
+
+    def int(self, key: str, *, low: int = 0, allow_none: bool = False) -> None:
+        """``state[key]`` is an int ``>= low`` (or ``None`` where allowed)."""
+        value = self.state[key]
+        if value is None and allow_none:
+            return
+        if not is_int(value) or value < low:
+            raise self.error(key, f"an int >= {low}" + (" or None" if allow_none else ""))
+
+    def bool(self, key: str) -> None:
+        """``state[key]`` is a bool."""
+        if not isinstance(self.state[key], bool):
+            raise self.error(key, "a bool")
+
+    def fraction(self, key: str, high: float) -> None:
+        """``state[key]`` is a number in ``[0, high]``."""
+        value = self.state[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+            raise self.error(key, f"a number in [0, {high}]")

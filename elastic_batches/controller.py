@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from elastic_batches._state import check_state_dict
+from elastic_batches._state import StateFields, check_state_dict, is_int
 from elastic_batches.balance import BatchLoad, rows_within
 from elastic_batches.memory import MemoryReading
 from elastic_batches.memory_model import SPREAD as _SPREAD
@@ -77,7 +77,7 @@ _STATE_KEYS = _STATE_KEYS_V1 | {"memory", "predicted", "fallback"}  # version 2:
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         allowed = "an int >= 1 or None" if allow_none else "an int >= 1"
         raise ValueError(f"SplitController: {name} must be {allowed}, got {value!r}")
 
@@ -787,46 +787,40 @@ class SplitController:
                 f"SplitController.load_state_dict: the state was learned with unit={state['unit']!r}, this "
                 f"controller has unit={self.unit!r}: create it with SplitController(unit={state['unit']!r})"
             )
-        _state_int(state, "start_split_count", low=1)
-        _state_int(state, "fits", low=0)
-        _state_int(state, "fails", low=1, allow_none=True)
-        _state_int(state, "last_rows", low=1, allow_none=True)
-        _state_int(state, "steps_since_oom", low=0)
-        _state_int(state, "grow_wait", low=1, allow_none=True)
-        for key in ("oom_count", "retry_count", "discarded_microbatches"):
-            _state_int(state, key, low=0)
-        if not isinstance(state["grow_pending"], bool):
-            raise _state_error("grow_pending", "a bool", state["grow_pending"])
+        fields = StateFields("SplitController", state)
+        for key, low in (("start_split_count", 1), ("fits", 0), ("steps_since_oom", 0), ("oom_count", 0)):
+            fields.int(key, low=low)
+        for key in ("retry_count", "discarded_microbatches"):
+            fields.int(key, low=0)
+        for key in ("fails", "last_rows", "grow_wait"):
+            fields.int(key, low=1, allow_none=True)
+        fields.bool("grow_pending")
         if state["fails"] is not None and state["fits"] >= state["fails"]:
-            raise _state_error("fits", f"below fails={state['fails']} (the smallest size that failed)", state["fits"])
+            raise fields.error("fits", f"below fails={state['fails']} (the smallest size that failed)")
         last: BatchLoad | None = None
         if state["last_rows"] is not None:
             lengths = state["last_lengths"]
-            if lengths is not None and (
-                not isinstance(lengths, (list, tuple))
-                or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
-            ):
-                raise _state_error("last_lengths", "None or a list of ints", lengths)
+            if lengths is not None and (not isinstance(lengths, (list, tuple)) or not all(map(is_int, lengths))):
+                raise fields.error("last_lengths", "None or a list of ints")
             try:
                 last = BatchLoad(state["last_rows"], lengths)
             except ValueError as err:
-                raise _state_error("last_lengths", f"one length per row of last_rows ({err})", lengths) from err
+                raise fields.error("last_lengths", f"one length per row of last_rows ({err})") from err
         elif state["last_lengths"] is not None:
-            raise _state_error("last_lengths", "None when last_rows is None", state["last_lengths"])
+            raise fields.error("last_lengths", "None when last_rows is None")
         memory: MemoryModel | None = None
         if self.memory is not None:
             memory = MemoryModel(self.memory.base_margin, unit=self.unit)
             if version != 1 and state["memory"] is not None:
                 if not isinstance(state["memory"], Mapping):
-                    raise _state_error("memory", "None or a dict from MemoryModel.state_dict()", state["memory"])
+                    raise fields.error("memory", "None or a dict from MemoryModel.state_dict()")
                 try:
                     memory.load_state_dict(state["memory"])
                 except ValueError as err:
                     raise ValueError(f"SplitController.load_state_dict: state['memory']: {err}") from err
         if version != 1:
-            _state_int(state, "predicted", low=1, allow_none=True)
-            if not isinstance(state["fallback"], bool):
-                raise _state_error("fallback", "a bool", state["fallback"])
+            fields.int("predicted", low=1, allow_none=True)
+            fields.bool("fallback")
         fits, fails = state["fits"], state["fails"]
         if memory is None and version != 1 and state["predicted"] is not None:
             # Learned by prediction, planned by the search: what the model predicted fits bounds the search.
@@ -855,18 +849,3 @@ def _pieces_text(pieces: Sequence[int]) -> str:
     low, high = min(pieces), max(pieces)
     rows = f"{high} row{'s' if high != 1 else ''}" if low == high else f"{low} to {high} rows"
     return f"{len(pieces)} microbatch{'es' if len(pieces) != 1 else ''} of {rows}"
-
-
-def _state_error(key: str, expected: str, value: Any) -> ValueError:
-    return ValueError(
-        f"SplitController.load_state_dict: state[{key!r}] must be {expected}, got {value!r}; nothing was loaded. "
-        "Pass a dict produced by SplitController.state_dict()"
-    )
-
-
-def _state_int(state: Mapping[str, Any], key: str, *, low: int, allow_none: bool = False) -> None:
-    value = state[key]
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _state_error(key, f"an int >= {low}" + (" or None" if allow_none else ""), value)

@@ -61,6 +61,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from elastic_batches._state import StateFields, check_state_dict, is_int
 from elastic_batches.memory import MemoryReading
 
 __all__ = ["MemoryModel"]
@@ -470,57 +471,34 @@ class MemoryModel:
             ValueError: a key is missing or unexpected, the version or unit differs, or a field
                 has the wrong type or range (named); the model is then unchanged.
         """
-        from elastic_batches._state import check_state_dict
-
         if state.get("version") == 1:  # written before the margin narrowed back: it starts calm
             check_state_dict("MemoryModel", state, _STATE_KEYS_V1, 1)
             state = {**state, "calm": 0, "recover_after": RECOVER_AFTER, "probation": False}
         else:
             check_state_dict("MemoryModel", state, _STATE_KEYS, _STATE_VERSION)
+        fields = StateFields("MemoryModel", state, source="MemoryModel.state_dict() (or SplitController.state_dict())")
         if state["unit"] != self.unit:
-            raise _error("unit", f"{self.unit!r} (the controller's unit)", state["unit"])
+            raise fields.error("unit", f"{self.unit!r} (the controller's unit)")
         for key in ("base_margin", "margin"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _MAX_MARGIN:
-                raise _error(key, f"a number in [0, {_MAX_MARGIN}]", value)
-        retained = state["retained"]
-        if retained is not None and (isinstance(retained, bool) or not isinstance(retained, int) or retained < 0):
-            raise _error("retained", "None or an int >= 0", retained)
+            fields.fraction(key, _MAX_MARGIN)
+        fields.int("retained", low=0, allow_none=True)
         for key in ("later", "first", "failures"):
             pairs = state[key]
             if not isinstance(pairs, (list, tuple)) or not all(
-                isinstance(p, (list, tuple))
-                and len(p) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
-                and p[0] >= 1
-                and p[1] >= 0
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_int, p)) and p[0] >= 1 and p[1] >= 0
                 for p in pairs
             ):
-                raise _error(key, "a list of [size >= 1, bytes >= 0] pairs", pairs)
-        wrong = state["wrong"]
-        if isinstance(wrong, bool) or not isinstance(wrong, int) or wrong < 0:
-            raise _error("wrong", "an int >= 0", wrong)
-        if not isinstance(state["enabled"], bool):
-            raise _error("enabled", "a bool", state["enabled"])
-        for key, low in (("calm", 0), ("recover_after", 1)):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise _error(key, f"an int >= {low}", value)
-        if not isinstance(state["probation"], bool):
-            raise _error("probation", "a bool", state["probation"])
+                raise fields.error(key, "a list of [size >= 1, bytes >= 0] pairs")
+        for key, low in (("wrong", 0), ("calm", 0), ("recover_after", 1)):
+            fields.int(key, low=low)
+        fields.bool("enabled")
+        fields.bool("probation")
         self.margin = max(self.base_margin, float(state["margin"]))
-        self.retained = retained
+        self.retained = state["retained"]
         self._later = {s: y for s, y in state["later"]}
         self._first = {s: y for s, y in state["first"]}
         self._failures = {s: y for s, y in state["failures"]}
-        self.wrong = wrong
+        self.wrong = state["wrong"]
         self.enabled = state["enabled"]
         self.calm, self.recover_after, self.probation = state["calm"], state["recover_after"], state["probation"]
         self._fit()
-
-
-def _error(key: str, expected: str, value: Any) -> ValueError:
-    return ValueError(
-        f"MemoryModel.load_state_dict: state[{key!r}] must be {expected}, got {value!r}; nothing was loaded. "
-        "Pass a dict produced by MemoryModel.state_dict() (or SplitController.state_dict())"
-    )
