@@ -29,6 +29,7 @@ and stands in for the rest of the script too: the attempt is void, and tried aga
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -92,9 +93,25 @@ def side_channel(ranks: Sequence[int]) -> dist.ProcessGroup:
     if known is not None and known[0] is default:
         return known[1]
     whole = key == tuple(range(dist.get_world_size()))
-    group = dist.new_group(list(key), backend="gloo", use_local_synchronization=not whole)
+    group = dist.new_group(
+        list(key), backend="gloo", timeout=2 * _timeout_of(default), use_local_synchronization=not whole
+    )
     _SIDE_GROUPS[key] = (default, group)
     return group
+
+
+def _timeout_of(group: Any) -> timedelta:
+    """The group's collective timeout (its CPU or CUDA backend's), else torch's default.
+
+    The side channel waits twice that: a rank that could not stand in for its script waits at
+    the vote while its peers' collective runs into its own timeout, then they come.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return dist.distributed_c10d.default_pg_timeout
 
 
 class CollectiveGuard:
