@@ -8,8 +8,8 @@ A *cell* is one combination of
   gathers once an attempt), ``"fsdp2-module"`` (``gather="module"``, each collective guarded) or,
   in the plain loop, ``"fsdp2-script"`` (the same, its first attempt at the OOM following the
   script that two warm-up attempts agreed on) and ``"fsdp2-eval"`` (the same, with a validation,
-  ``step.evaluate`` and a bare ``torch.no_grad()`` forward, before every training step: the
-  script stays in use) on two gloo ranks;
+  ``step.evaluate`` and a bare ``torch.no_grad()`` forward, between step 0 and the step of the
+  OOM: the script stays in use) on two gloo ranks;
 * the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
   padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
   its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already

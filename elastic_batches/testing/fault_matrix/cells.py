@@ -73,7 +73,7 @@ LOOPS = ("plain", "lightning")
 SETTINGS = ("single", "ddp", "fsdp2", "fsdp2-module")
 # Per module, step OOM_STEP's first attempt following a script (two warm-up attempts agreed on it): plain loop only.
 SCRIPTED = "fsdp2-script"
-# The same, with a validation (step.evaluate, then a bare no_grad forward) before every training step.
+# The same, with a validation (step.evaluate, then a bare no_grad forward) between step 0 and step OOM_STEP.
 EVALUATED = "fsdp2-eval"
 SCRIPTED_SETTINGS = (SCRIPTED, EVALUATED)
 LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED, EVALUATED), "lightning": SETTINGS}

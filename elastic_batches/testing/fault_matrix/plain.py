@@ -162,7 +162,7 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
         data: Any = padded_batch(i, rank, world) if cell.phase in ("cut", "count") else (x, y, ids)
         if i == 0 and cell.setting in SCRIPTED_SETTINGS:
             _agree_on_a_script(step, data, loss_fn, counted=cell.phase == "count")
-        if cell.setting == EVALUATED:
+        if cell.setting == EVALUATED and i == OOM_STEP:  # between two training steps (before every one, all alike)
             _validate(step, model, x, ids)
         optimizer.zero_grad(set_to_none=True)
         handles = _arm(cell, rank, len(ids), model, step, optimizer) if i == OOM_STEP else []
