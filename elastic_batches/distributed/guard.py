@@ -12,8 +12,9 @@ the meeting point, raises :class:`PeerFailure` (no collective started) and comes
 meeting point too. Rounds repeat there until every rank has arrived.
 
 Each round carries one row of :data:`WIDTH` float64 per rank: its kind (guard, meeting point,
-other agreement), its status, and five values (a guard's: which collective and how many
-elements, so that ranks about to start different collectives raise instead of mixing them).
+other agreement), its status, and five values (a guard's: which collective, how many elements,
+its FSDP2 unit and its dtype, so that ranks about to start different collectives raise instead
+of mixing them, though their sizes agree: two experts of a mixture, one on each rank).
 
 The side channel is a gloo group: on a GPU, the guard is host-side only (Python floats into CPU
 tensors, a gloo round between the hosts) and never waits on or enqueues anything on the
@@ -23,7 +24,8 @@ An attempt that follows a *script* (``script.py``) runs no guard round: a rank t
 in for the rest of the script (:meth:`CollectiveGuard.stand_in`) before it goes to the meeting
 point, so its peers' collectives complete. A rank about to start a collective other than the
 script's (every rank is, at the same one) leaves the attempt there (:class:`ScriptDeparture`)
-and stands in for the rest of the script too: the attempt is void, and tried again guarded.
+and stands in for the rest of the script too: the attempt is void, and tried again guarded. A
+rank that cannot allocate its stand-ins' buffer says so at the vote, where every rank raises.
 """
 
 from __future__ import annotations

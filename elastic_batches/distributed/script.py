@@ -6,8 +6,11 @@ forward only) and microbatch count ran, in the same order, on every rank. Once t
 attempts in a row ran the same sequence, as every rank says at their votes, the sequence is
 that kind's *script*, and an attempt with a script runs no guard round at all. A rank whose
 attempt fails *stands in* for the collectives its peers still start: the rest of the script,
-through the same comms, on the same groups, with zero-filled buffers of the recorded sizes (its
-share of that attempt is discarded with the rest). Then every rank is at the vote, which fails.
+through the same comms, on the same groups, with the same dtypes and reduce ops, sending zeros
+from one buffer per dtype of the largest size the rest needs, allocated once (its share of that
+attempt is discarded with the rest). Then every rank is at the vote, which fails. A rank that
+cannot allocate that buffer votes :data:`STAND_IN_FAILED`: its peers wait in the collective it
+does not start until their process group times out, and every rank raises at the vote.
 
 A rank about to start a collective other than the script's, or done with its microbatches
 before the script is, leaves the attempt there (``ScriptDeparture``) and stands in for the rest
