@@ -36,6 +36,7 @@ COLUMNS = [("single", "0", "one process")] + [
         ("fsdp2", "FSDP2"),
         ("fsdp2-module", "FSDP2 per module"),
         ("fsdp2-script", "FSDP2 per module, scripted"),
+        ("fsdp2-eval", "FSDP2 per module, scripted, validated between steps"),
     )
     for ranks, label in (("0", "rank 0"), ("1", "rank 1"), ("both", "both ranks"))
 ]
@@ -89,6 +90,13 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
                             results[cell.id] = [] if per_rank is None else [rank[index] for rank in per_rank]
                     seconds = time.perf_counter() - start
                     print(f"ran {loop} {setting}: {len(cells)} cells in {seconds:.1f} s", flush=True)
+            try:  # the mixture-of-experts cells: one job
+                per_rank = pool.run(fm.run_expert_cells, timeout=DEADLINE_S)
+            except RankFailure as failure:
+                print(f"mixture of experts: the job failed\n{failure}", file=sys.stderr)
+                per_rank = None
+            for index, expert in enumerate(fm.expert_cells()):
+                results[expert.id] = [] if per_rank is None else [rank[index] for rank in per_rank]
         finally:
             pool.close()
     return results
@@ -142,6 +150,17 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
                 f"all {fm.SAMPLES} sample ids, {bad} with a sample lost, doubled or stray (largest deviation "
                 f"from a whole count {off:.1e})"
             )
+    print("\n#### Mixture of experts (per module and gathered once; `elastic_batches.testing.fault_matrix.experts`)\n")
+    print("| routing | experts | gather | step | OOM | outcome |")
+    print("|---|---|---|---|---|---|")
+    for expert in fm.expert_cells():
+        runs = results[expert.id]
+        found = fm.expert_problems(expert, runs) if runs else ["hang or crash"]
+        failures += bool(found)
+        text = fm.expert_outcome(expert, runs) if runs else "FAIL: hang or crash (deadline)"
+        oom = "none" if expert.oom == "none" else f"rank {expert.oom}, shared layer's forward, microbatch 1"
+        step = "scripted" if expert.scripted else "guarded" if expert.gather == "module" else "gathered once"
+        print(f"| {expert.routing} | {expert.sizes} sizes | {expert.gather} | {step} | {oom} | {text} |")
     for loop in fm.LOOPS:
         for setting in fm.LOOP_SETTINGS[loop]:
             for cell in fm.cells(loop, setting):

@@ -33,13 +33,17 @@ from elastic_batches.testing.fault_matrix import (
     SAMPLES,
     SETTINGS,
     Cell,
+    ExpertCell,
     cells,
+    expert_cells,
+    expert_problems,
     flat,
     id_check,
     problems,
     reference,
     relative_error,
     run_cells,
+    run_expert_cells,
     run_lightning_cell,
     run_lightning_validation,
     run_plain_cell,
@@ -148,3 +152,25 @@ def test_lightning_validation_of_padded_batches_retries_an_oom_in_the_cut_on_one
         assert result["fired"] == (1 if setting == "single" or rank == 1 else 0), f"rank {rank}"
         assert result["ooms"] == 1, f"rank {rank}: every rank learned of the OOM"
         assert abs(result["val_loss"] - expected) <= 1e-6 * abs(expected), f"rank {rank}: {result['val_loss']}"
+
+
+# -- mixture of experts: ranks whose rows go to different experts -------------------------------------
+
+EXPERT_CELLS = expert_cells()
+
+
+@pytest.fixture(scope="module")
+def expert_results(jobs: _Jobs) -> list[list[dict[str, Any]]] | RankFailure:
+    try:
+        return jobs.pool.run(run_expert_cells, timeout=DEADLINE_S)
+    except RankFailure as failure:
+        return failure
+
+
+@pytest.mark.parametrize("cell", EXPERT_CELLS, ids=[cell.id for cell in EXPERT_CELLS])
+def test_expert_cell(cell: ExpertCell, expert_results: list[list[dict[str, Any]]] | RankFailure) -> None:
+    if isinstance(expert_results, RankFailure):
+        pytest.fail(f"the mixture-of-experts job failed (every cell of it fails with it):\n{expert_results}")
+    index = [c.id for c in EXPERT_CELLS].index(cell.id)
+    found = expert_problems(cell, [per_rank[index] for per_rank in expert_results])
+    assert not found, f"{cell.id}:\n" + "\n".join(found)

@@ -184,7 +184,7 @@ def _scripted(sync: Any) -> bool:
     """Whether a backward attempt of ``SPLIT`` microbatches would follow a script now (per-module gathering)."""
     sync = getattr(sync, "active", sync)
     return isinstance(sync, distributed.fsdp2_modules.ShardPerModule) and (
-        sync.scripts.script(("backward", SPLIT)) is not None
+        sync.scripts.script(("backward", True, SPLIT)) is not None
     )
 
 

@@ -66,7 +66,14 @@ class FSDPLayout:
                 f"{torch.__version__} lacks it: upgrade torch (tested with 2.13)"
             )
         self.root: Any = model
-        self.modules: list[Any] = [m for m in model.modules() if isinstance(m, fsdp_module)]
+        # One module per FSDP2 unit: fully_shard([a, b]) (tied weights) makes one unit of a and b, one state.
+        self.modules: list[Any] = []
+        states: set[int] = set()
+        for m in model.modules():
+            state = m._get_fsdp_state() if isinstance(m, fsdp_module) else None  # type: ignore[operator]
+            if state is not None and id(state) not in states:
+                states.add(id(state))
+                self.modules.append(m)
         self.groups: list[Any] = [group for module in self.modules for group in param_groups(module)]
         self.params: list[Any] = [fp for group in self.groups for fp in group.fsdp_params]
         managed = {id(fp.sharded_param) for fp in self.params}
@@ -105,6 +112,19 @@ class FSDPLayout:
     def side_channel(self) -> dist.ProcessGroup:
         """The gloo group of every rank of the mesh, for guard rounds and votes."""
         return side_channel(self.ranks)
+
+    def settle(self) -> None:
+        """Before an attempt: undo what a forward that ``ElasticStep`` did not run left of an FSDP2 iteration.
+
+        A forward with no backward after it (``torch.no_grad()`` evaluation, ``step.evaluate``)
+        leaves the root unsharded and FSDP2's post-forward order filled, which no backward
+        clears: the next backward would skip the root's all-gather and prefetch a unit of that
+        forward. ``reset_iter_state()`` reshards and clears them, so every attempt starts where a
+        training step leaves FSDP2; after a backward, nothing is done.
+        """
+        state = self.root._get_fsdp_state()
+        if state._comm_ctx.post_forward_order:
+            self.root.reset_iter_state()
 
     def drop_unsharded_grads(self) -> None:
         for fp in self.params:
@@ -331,6 +351,7 @@ class FullyShard(Agreeing):
     @contextlib.contextmanager
     def microbatches(self) -> Iterator[None]:
         self.root._get_fsdp_state()._lazy_init()  # the root's own defaults first, so that they are restored
+        self.layout.settle()
         saved = self._flags()
         try:
             for module in self.modules:

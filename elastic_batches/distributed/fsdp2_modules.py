@@ -31,7 +31,7 @@ from torch import nn
 from elastic_batches.distributed.fsdp2 import FSDPLayout
 from elastic_batches.distributed.guard import PIECES_OP, CollectiveGuard, guarded_comms
 from elastic_batches.distributed.protocol import GradientSync, Verdict, agreement_of, check_values, verdict_of
-from elastic_batches.distributed.script import DEPARTED, Scripts
+from elastic_batches.distributed.script import DEPARTED, STAND_IN_FAILED, Scripts
 from elastic_batches.oom import Status, release_memory
 
 __all__ = ["ShardPerModule"]
@@ -102,7 +102,8 @@ class ShardPerModule(GradientSync):
         if self.guard.world_size > 1:
             rows = self.guard.agree(Status.OK, (float(count), float(lead)))
             count, lead = int(max(row[1] for row in rows)), int(min(row[2] for row in rows))
-        self._key = (where, count) if not lead else None  # a measured attempt's count is not known yet
+        # A script per kind of attempt: backward or evaluate, with grad mode on or off, and microbatch count.
+        self._key = (where, torch.is_grad_enabled(), count) if not lead else None  # measured: count not known yet
         return count, lead
 
     def agree_pieces(self, count: int, room: int) -> int:
@@ -123,6 +124,7 @@ class ShardPerModule(GradientSync):
     def microbatches(self) -> Iterator[None]:
         root = self.layout.root
         root._get_fsdp_state()._lazy_init()
+        self.layout.settle()  # a forward outside the step (evaluation) does not change this attempt's collectives
         groups = self.layout.groups
         saved = [(group, group.reduce_grads, group.all_reduce_grads) for group in groups]
         self._share = 1.0  # until weigh: a backward attempt says its total before its first microbatch
@@ -138,9 +140,9 @@ class ShardPerModule(GradientSync):
             except BaseException as err:
                 self.layout.drop_unsharded_grads()
                 root.reset_iter_state()  # reshards, and clears FSDP2's state of the aborted pass
-                if isinstance(err, Exception) and guard.script is not None:
+                if isinstance(err, Exception) and guard.script is not None and not guard.broken:
                     release_memory(err)  # the failed pass's tensors go first: the stand-ins allocate
-                    guard.stand_in()  # the collectives the peers still start
+                    guard.stand_in()  # the collectives the peers still start (or where it could not)
                 raise
         finally:
             restore()
@@ -157,10 +159,15 @@ class ShardPerModule(GradientSync):
     ) -> Verdict:
         guard = self.guard
         recorded = guard.recorded() if status == Status.OK and not guard.aborted else None
-        report = self.scripts.report(self._key, guard.departed, recorded)
+        failure = guard.stand_in_failure
+        report = self.scripts.report(self._key, guard.departed, recorded, failed=failure is not None)
         said = guard.vote_status(status)
-        rows = tuple(map(tuple, guard.meet(said, (size, total, 0.0, capacity, report))))
+        where = 0.0 if failure is None else float(guard.passed + 1)  # the script's position it could not start
+        rows = tuple(map(tuple, guard.meet(said, (size, total, where, capacity, report))))
         reports = [row[5] for row in rows]
+        if STAND_IN_FAILED in reports:
+            self.discard()
+            raise self._stand_in_failed(rows)
         self.scripts.agree(self._key, reports, recorded)
         verdict = verdict_of(rows, total)
         if DEPARTED in reports and verdict.status == Status.OK:  # left the script: void, nothing failed
@@ -174,6 +181,23 @@ class ShardPerModule(GradientSync):
             else:
                 self._post = 1.0
         return verdict
+
+    def _stand_in_failed(self, rows: Sequence[Sequence[float]]) -> RuntimeError:
+        """The error every rank raises after a rank ran out of memory standing in for its script's collectives."""
+        script = self.guard.script
+        named = []
+        for rank, row in enumerate(rows):
+            if row[5] == STAND_IN_FAILED:
+                position = int(row[3]) - 1
+                known = script is not None and 0 <= position < len(script)
+                what = script.collectives[position].describe() if known and script else f"collective {position}"
+                named.append(f"rank {rank} at the {what} (position {position} of the attempt's script)")
+        return RuntimeError(
+            f"ElasticStep: out of memory standing in for FSDP2 collectives after a failed attempt: {'; '.join(named)}. "
+            "Its peers waited in that collective until the process group's timeout: FSDP2's process groups are "
+            "not usable after a timed-out collective, so every rank stops. Restart from a checkpoint, with more "
+            "free memory on that rank (another process took memory during the step?)"
+        )
 
     def agree(self, status: Status, *values: float) -> Verdict:
         check_values(values)

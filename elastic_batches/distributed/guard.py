@@ -12,8 +12,9 @@ the meeting point, raises :class:`PeerFailure` (no collective started) and comes
 meeting point too. Rounds repeat there until every rank has arrived.
 
 Each round carries one row of :data:`WIDTH` float64 per rank: its kind (guard, meeting point,
-other agreement), its status, and five values (a guard's: which collective and how many
-elements, so that ranks about to start different collectives raise instead of mixing them).
+other agreement), its status, and five values (a guard's: which collective, how many elements,
+its FSDP2 unit and its dtype, so that ranks about to start different collectives raise instead
+of mixing them, though their sizes agree: two experts of a mixture, one on each rank).
 
 The side channel is a gloo group: on a GPU, the guard is host-side only (Python floats into CPU
 tensors, a gloo round between the hosts) and never waits on or enqueues anything on the
@@ -23,12 +24,14 @@ An attempt that follows a *script* (``script.py``) runs no guard round: a rank t
 in for the rest of the script (:meth:`CollectiveGuard.stand_in`) before it goes to the meeting
 point, so its peers' collectives complete. A rank about to start a collective other than the
 script's (every rank is, at the same one) leaves the attempt there (:class:`ScriptDeparture`)
-and stands in for the rest of the script too: the attempt is void, and tried again guarded.
+and stands in for the rest of the script too: the attempt is void, and tried again guarded. A
+rank that cannot allocate its stand-ins' buffer says so at the vote, where every rank raises.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from elastic_batches.distributed.script import ALL_GATHER_OP, REDUCE_SCATTER_OP, Collective, Script
 from elastic_batches.distributed.wire import ALL_GATHER
-from elastic_batches.oom import Status
+from elastic_batches.oom import Status, is_oom_error
 
 __all__ = ["PIECES_OP", "WIDTH", "CollectiveGuard", "PeerFailure", "ScriptDeparture", "guarded_comms", "side_channel"]
 
@@ -45,6 +48,12 @@ _GUARD, _MEET, _AGREE = 1.0, 2.0, 3.0  # kinds of rows
 _KINDS = {_GUARD: "a collective's guard", _MEET: "the vote", _AGREE: "another agreement"}
 PIECES_OP = 3.0  # the round that agrees on the next microbatch's size (beside the collectives' kinds)
 _OPS = {ALL_GATHER_OP: "all-gather", REDUCE_SCATTER_OP: "reduce-scatter", PIECES_OP: "the next microbatch's size"}
+# A collective's dtype as a guard round carries it (the same number on every rank).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32)
+
+
+def _dtype_code(dtype: torch.dtype) -> float:
+    return float(_DTYPES.index(dtype) + 1) if dtype in _DTYPES else float(len(_DTYPES) + 1)
 
 
 class PeerFailure(torch.OutOfMemoryError):
@@ -86,9 +95,25 @@ def side_channel(ranks: Sequence[int]) -> dist.ProcessGroup:
     if known is not None and known[0] is default:
         return known[1]
     whole = key == tuple(range(dist.get_world_size()))
-    group = dist.new_group(list(key), backend="gloo", use_local_synchronization=not whole)
+    group = dist.new_group(
+        list(key), backend="gloo", timeout=2 * _timeout_of(default), use_local_synchronization=not whole
+    )
     _SIDE_GROUPS[key] = (default, group)
     return group
+
+
+def _timeout_of(group: Any) -> timedelta:
+    """The group's collective timeout (its CPU or CUDA backend's), else torch's default.
+
+    The side channel waits twice that: a rank that could not stand in for its script waits at
+    the vote while its peers' collective runs into its own timeout, then they come.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return dist.distributed_c10d.default_pg_timeout
 
 
 class CollectiveGuard:
@@ -104,6 +129,10 @@ class CollectiveGuard:
         script: The script this attempt follows, or ``None`` (a round before every collective).
         departed: This attempt left its script (:class:`ScriptDeparture`).
         stood_in: Collectives started so far in a failed rank's stead (:meth:`stand_in`).
+        stand_in_failure: The first script collective this rank could not stand in for (out of
+            memory allocating the stand-ins' buffer), or ``None``.
+        broken: A collective of this attempt raised (a peer's timeout): this rank stands in for none.
+        units: The FSDP2 units' names by index (set by :func:`guarded_comms`), for messages.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -116,6 +145,9 @@ class CollectiveGuard:
         self.script: Script | None = None
         self.departed = False
         self.stood_in = 0
+        self.stand_in_failure: Collective | None = None
+        self.broken = False
+        self.units: list[str] = []
         self._ran: list[Collective] = []
         # Allocated once: a round never allocates (an OOM in it would strand the peers).
         self._mine = torch.zeros(WIDTH, dtype=torch.float64)
@@ -128,8 +160,8 @@ class CollectiveGuard:
             script: The collectives the attempt will start, every rank's alike: no round before
                 them. ``None``: a round before every collective.
         """
-        self.aborted, self.passed, self.departed = False, 0, False
-        self.script, self._ran = script, []
+        self.aborted, self.passed, self.departed, self.broken = False, 0, False, False
+        self.script, self._ran, self.stand_in_failure = script, [], None
 
     def recorded(self) -> Script:
         """The collectives this attempt passed so far, as a script."""
@@ -147,6 +179,8 @@ class CollectiveGuard:
     def before(self, op: float, numel: int, collective: Collective | None = None) -> None:
         """Before collective ``op`` of ``numel`` elements: return when every rank is at it, else raise.
 
+        The round carries the kind, the size and, from ``collective``, the FSDP2 unit and the dtype:
+        ranks about to start collectives of different units raise, though their sizes agree.
         With a script, at once: ``collective`` is recorded, and compared with the script's.
 
         Raises:
@@ -165,22 +199,35 @@ class CollectiveGuard:
                 self._pass(collective)
                 return
             self._depart(f"{_OPS.get(op, op)} of {numel} elements at position {position}")
-        rows = self._round(_GUARD, Status.OK, (op, float(numel)))
+        unit, dtype = (-1.0, 0.0) if collective is None else (float(collective.unit), _dtype_code(collective.dtype))
+        rows = self._round(_GUARD, Status.OK, (op, float(numel), unit, dtype))
         meeting = [r for r, row in enumerate(rows) if row[0] != _GUARD]
         if not meeting:
-            if any(row[2:4] != rows[0][2:4] for row in rows):
-                described = ", ".join(
-                    f"rank {r}: {_OPS.get(row[2], row[2])} of {int(row[3])}" for r, row in enumerate(rows)
-                )
+            if any(row[2:6] != rows[0][2:6] for row in rows):
+                described = "; ".join(f"rank {r}: {self._describe(row)}" for r, row in enumerate(rows))
                 raise RuntimeError(
-                    f"ElasticStep: the ranks were about to start different FSDP2 collectives ({described} elements): "
-                    "every rank must run the same FSDP2 modules, with the same trained parameters, in every "
-                    "microbatch. A parameter that only some ranks use needs module.set_reduce_scatter_unused_params("
-                    "True); no collective was started"
+                    f"ElasticStep: the ranks were about to start different FSDP2 collectives ({described}): every "
+                    "rank must run the same FSDP2 units, with the same trained parameters, in the same order in "
+                    "every microbatch (a mixture of experts that skips an expert with no row on some ranks only "
+                    "pairs different experts' collectives: run every expert on every rank, or use gather='attempt'). "
+                    "A parameter that only some ranks use needs module.set_reduce_scatter_unused_params(True); no "
+                    "collective was started"
                 )
             self._pass(collective)
             return
         self._stop(rows, meeting, f"{_OPS.get(op, op)} of {numel} elements")
+
+    def _describe(self, row: Sequence[float]) -> str:
+        """A guard row's collective: kind, elements, dtype, unit (index and name)."""
+        text = f"{_OPS.get(row[2], row[2])} of {int(row[3])}"
+        code, unit = int(row[5]), int(row[4])
+        if code:
+            text += f" {_DTYPES[code - 1] if code <= len(_DTYPES) else 'other dtype'}"
+        text += " elements"
+        if unit >= 0:
+            name = self.units[unit] if unit < len(self.units) else ""
+            text += f" of unit {unit} ({name or 'the root'!r})"
+        return text
 
     def _pass(self, collective: Collective | None) -> None:
         self.passed += 1
@@ -208,13 +255,26 @@ class CollectiveGuard:
         """After this rank's attempt failed or left its script: start the script's collectives that it did not.
 
         Its peers start them all (or stand in too, from where they failed or left). Nothing without
-        a script: its peers round before every collective.
+        a script (its peers round before every collective), nor after a collective of this attempt
+        raised (:attr:`broken`: its peers are not waiting in the rest). One buffer per dtype, of the
+        largest size the rest needs, serves every stand-in; when even that runs out of memory,
+        :attr:`stand_in_failure` says where, and the vote tells every rank.
         """
         script = self.script
-        if script is None or self.world_size == 1:
+        if script is None or self.world_size == 1 or self.broken:
             return
-        for collective in script.collectives[self.passed :]:
-            collective.stand_in()
+        rest = script.collectives[self.passed :]
+        if not rest:
+            return
+        try:
+            buffers = script.buffers(self.passed)
+        except Exception as err:
+            if not is_oom_error(err):
+                raise
+            self.stand_in_failure = rest[0]  # its peers wait in it until the process group's timeout
+            return
+        for collective in rest:
+            collective.stand_in(buffers[collective.dtype, torch.device(collective.device)])
             self.stood_in += 1
 
     def vote_status(self, status: Status) -> Status:
@@ -297,8 +357,9 @@ class CollectiveGuard:
 class _Recorder:
     """One FSDP2 parameter group's collectives as :class:`Collective` records, made once per shape."""
 
-    def __init__(self, op: float, inner: Any, unit: int, replicate: dist.ProcessGroup | None) -> None:
+    def __init__(self, op: float, inner: Any, unit: int, fsdp_group: Any, replicate: dist.ProcessGroup | None) -> None:
         self.op, self.inner, self.unit, self.replicate = op, inner, unit, replicate
+        self.fsdp_group = fsdp_group
         self._last: Collective | None = None
 
     def __call__(self, numel: int, tensor: torch.Tensor, group: dist.ProcessGroup, reduce_op: Any = None) -> Collective:
@@ -319,30 +380,50 @@ class _Recorder:
             replicate=replicate,
             device=tensor.device,
             reduce_op=reduce_op,
+            all_reduce_op=None if replicate is None else _all_reduce_op(self.fsdp_group, group, replicate, tensor),
+            name=_unit_name(self.fsdp_group),
         )
         return last
+
+
+def _unit_name(fsdp_group: Any) -> str:
+    """The FSDP2 parameter group's module name(s) in the root (``""``: the root)."""
+    return str(getattr(fsdp_group, "_module_fqn", None) or "")
+
+
+def _all_reduce_op(fsdp_group: Any, group: dist.ProcessGroup, replicate: Any, tensor: torch.Tensor) -> Any:
+    """The op of the all-reduce FSDP2 runs after this reduce-scatter under HSDP, as FSDP2 itself chooses it."""
+    return _divide_factors(
+        group,
+        replicate,
+        tensor.dtype,
+        tensor.device.type,
+        getattr(fsdp_group, "gradient_divide_factor", None),
+        bool(getattr(fsdp_group, "force_sum_reduction_for_comms", False)),
+    )[3]
 
 
 def _inner_comm(comm: Any) -> Any:
     return comm.inner if isinstance(comm, (_GuardedAllGather, _GuardedReduceScatter)) else comm
 
 
-def _comm_classes() -> tuple[type, type]:
-    # FSDP2's comm interfaces live in a private module of torch: imported in this one place.
+def _fsdp_internals() -> tuple[type, type, Callable[..., Any]]:
+    # FSDP2's comm interfaces and its choice of reduce ops live in private modules of torch: imported here only.
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
-    return AllGather, ReduceScatter
+    return AllGather, ReduceScatter, _get_gradient_divide_factors
 
 
-_AllGatherBase, _ReduceScatterBase = _comm_classes()
+_AllGatherBase, _ReduceScatterBase, _divide_factors = _fsdp_internals()
 
 
 class _GuardedAllGather(_AllGatherBase):  # type: ignore[misc, valid-type]
     """FSDP2's all-gather comm, guarded: ``allocate`` as the inner comm's, the guard round before ``__call__``."""
 
-    def __init__(self, inner: Any, guard: CollectiveGuard, unit: int = 0) -> None:
+    def __init__(self, inner: Any, guard: CollectiveGuard, unit: int = 0, fsdp_group: Any = None) -> None:
         self.inner, self.guard = inner, guard
-        self._record = _Recorder(ALL_GATHER_OP, inner, unit, None)
+        self._record = _Recorder(ALL_GATHER_OP, inner, unit, fsdp_group, None)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -352,7 +433,11 @@ class _GuardedAllGather(_AllGatherBase):  # type: ignore[misc, valid-type]
     ) -> Any:
         numel = output_tensor.numel()
         self.guard.before(ALL_GATHER_OP, numel, self._record(numel, output_tensor, group))
-        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+        try:
+            return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+        except Exception:
+            self.guard.broken = True  # a peer never came (a timeout): nothing of the rest to stand in for
+            raise
 
 
 class _GuardedReduceScatter(_ReduceScatterBase):  # type: ignore[misc, valid-type]
@@ -365,9 +450,10 @@ class _GuardedReduceScatter(_ReduceScatterBase):  # type: ignore[misc, valid-typ
         factor: Callable[[], float],
         unit: int = 0,
         replicate: dist.ProcessGroup | None = None,
+        fsdp_group: Any = None,
     ) -> None:
         self.inner, self.guard, self.factor = inner, guard, factor
-        self._record = _Recorder(REDUCE_SCATTER_OP, inner, unit, replicate)
+        self._record = _Recorder(REDUCE_SCATTER_OP, inner, unit, fsdp_group, replicate)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -385,7 +471,13 @@ class _GuardedReduceScatter(_ReduceScatterBase):  # type: ignore[misc, valid-typ
             input_tensor.mul_(factor)
         numel = input_tensor.numel()
         self.guard.before(REDUCE_SCATTER_OP, numel, self._record(numel, input_tensor, group, op))
-        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
+        try:
+            return self.inner(
+                output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op
+            )
+        except Exception:
+            self.guard.broken = True
+            raise
 
 
 def guarded_comms(
@@ -406,12 +498,18 @@ def guarded_comms(
         A function that puts the groups' own comms back.
     """
     saved = [(group, group._all_gather_comm, group._reduce_scatter_comm) for group in groups]
+    guard.units = [_unit_name(group) for group in groups]
     for unit, (group, all_gather, reduce_scatter) in enumerate(saved):
-        group._all_gather_comm = _GuardedAllGather(_inner_comm(all_gather), guard, unit)
+        group._all_gather_comm = _GuardedAllGather(_inner_comm(all_gather), guard, unit, group)
         if factor is not None:
             replicate = getattr(group.mesh_info, "replicate_process_group", None)  # HSDP: all-reduced after
             group._reduce_scatter_comm = _GuardedReduceScatter(
-                _inner_comm(reduce_scatter), guard, factor(group), unit, replicate if group.all_reduce_grads else None
+                _inner_comm(reduce_scatter),
+                guard,
+                factor(group),
+                unit,
+                replicate if group.all_reduce_grads else None,
+                group,
             )
 
     def restore() -> None:

@@ -6,8 +6,11 @@ forward only) and microbatch count ran, in the same order, on every rank. Once t
 attempts in a row ran the same sequence, as every rank says at their votes, the sequence is
 that kind's *script*, and an attempt with a script runs no guard round at all. A rank whose
 attempt fails *stands in* for the collectives its peers still start: the rest of the script,
-through the same comms, on the same groups, with zero-filled buffers of the recorded sizes (its
-share of that attempt is discarded with the rest). Then every rank is at the vote, which fails.
+through the same comms, on the same groups, with the same dtypes and reduce ops, sending zeros
+from one buffer per dtype of the largest size the rest needs, allocated once (its share of that
+attempt is discarded with the rest). Then every rank is at the vote, which fails. A rank that
+cannot allocate that buffer votes :data:`STAND_IN_FAILED`: its peers wait in the collective it
+does not start until their process group times out, and every rank raises at the vote.
 
 A rank about to start a collective other than the script's, or done with its microbatches
 before the script is, leaves the attempt there (``ScriptDeparture``) and stands in for the rest
@@ -28,10 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALL_GATHER_OP", "DEPARTED", "REDUCE_SCATTER_OP", "Collective", "Script", "Scripts"]
+__all__ = ["ALL_GATHER_OP", "DEPARTED", "REDUCE_SCATTER_OP", "STAND_IN_FAILED", "Collective", "Script", "Scripts"]
 
 ALL_GATHER_OP, REDUCE_SCATTER_OP = 1.0, 2.0  # a collective's kind, as a guard round carries it
 DEPARTED = -1.0  # what a rank votes when its attempt left its script
+STAND_IN_FAILED = -2.0  # what a rank votes when it could not stand in for its script (out of memory)
 
 
 @dataclass(frozen=True)
@@ -54,27 +58,44 @@ class Collective:
     group: Any = field(compare=False)
     replicate: Any = field(compare=False)
     device: torch.device = field(compare=False)
-    reduce_op: Any = field(compare=False, default=None)
+    reduce_op: Any = field(compare=False, default=None)  # the reduce-scatter's op, as FSDP2 passed it
+    all_reduce_op: Any = field(compare=False, default=None)  # HSDP: the op of FSDP2's all-reduce after it
+    name: str = field(compare=False, default="")  # the unit's module name(s), for messages
 
     @functools.cached_property
     def signature(self) -> str:
         """The fields peers compare, as text (hashed into a script's digest); made once per record."""
         return f"{self.op}/{self.numel}/{self.dtype}/{self.device_type}/{self.unit}/{self.world}/{self.replicas}"
 
-    def stand_in(self) -> None:
-        """Start this collective with zero-filled buffers, as a rank whose attempt failed: its peers complete theirs."""
+    @property
+    def buffer_numel(self) -> int:
+        """Elements a stand-in needs: the all-gather's output, or the reduce-scatter's input and output."""
+        return self.numel if self.op == ALL_GATHER_OP else self.numel + self.numel // self.world
+
+    def describe(self) -> str:
+        """``"all-gather of 96 torch.float32 elements of unit 2 ('layers.1')"``: the collective, for messages."""
+        kind = "all-gather" if self.op == ALL_GATHER_OP else "reduce-scatter"
+        return f"{kind} of {self.numel} {self.dtype} elements of unit {self.unit} ({self.name or 'the root'!r})"
+
+    def stand_in(self, buffer: torch.Tensor) -> None:
+        """Start this collective from ``buffer`` (:attr:`buffer_numel` elements or more), in a failed rank's stead.
+
+        Its peers complete theirs; what this rank sends is zeros. The reduce-scatter (and HSDP's
+        all-reduce after it) uses the op FSDP2 used, on the same groups.
+        """
         world = self.world
         if self.op == ALL_GATHER_OP:
-            output = self.comm.allocate((self.numel,), dtype=self.dtype, device=self.device).zero_()
+            output = buffer[: self.numel]
             chunk = self.numel // world
-            mine = output.narrow(0, dist.get_rank(self.group) * chunk, chunk)
+            mine = output.narrow(0, dist.get_rank(self.group) * chunk, chunk).zero_()
             self.comm(output_tensor=output, input_tensor=mine, group=self.group, async_op=False)
             return
-        sent = self.comm.allocate((self.numel,), dtype=self.dtype, device=self.device).zero_()
-        received = self.comm.allocate((self.numel // world,), dtype=self.dtype, device=self.device)
+        sent = buffer[: self.numel].zero_()
+        received = buffer[self.numel : self.numel + self.numel // world]
         self.comm(output_tensor=received, input_tensor=sent, group=self.group, op=self.reduce_op, async_op=False)
         if self.replicate is not None:
-            dist.all_reduce(received, group=self.replicate)
+            op = self.all_reduce_op if self.all_reduce_op is not None else dist.ReduceOp.SUM
+            dist.all_reduce(received, group=self.replicate, op=op)
 
 
 @dataclass(frozen=True)
@@ -85,6 +106,20 @@ class Script:
 
     def __len__(self) -> int:
         return len(self.collectives)
+
+    def buffers(self, start: int) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+        """The stand-ins' buffers for the collectives from ``start`` on: one per dtype and device, allocated once.
+
+        Each is as large as the largest of those collectives needs (:attr:`Collective.buffer_numel`),
+        allocated by that collective's comm (FSDP2's default, or the user's: a comm with memory of
+        its own, symmetric memory, serves it).
+        """
+        largest: dict[tuple[torch.dtype, torch.device], Collective] = {}
+        for c in self.collectives[start:]:
+            key = (c.dtype, torch.device(c.device))
+            if key not in largest or c.buffer_numel > largest[key].buffer_numel:
+                largest[key] = c
+        return {key: c.comm.allocate((c.buffer_numel,), dtype=key[0], device=key[1]) for key, c in largest.items()}
 
     @property
     def digest(self) -> float:
@@ -111,11 +146,14 @@ class Scripts:
         """The script of an attempt with ``key``, or ``None`` (every collective guarded)."""
         return None if key is None or not self.enabled else self._scripts.get(key)
 
-    def report(self, key: Hashable | None, departed: bool, recorded: Script | None) -> float:
-        """What this rank votes: :data:`DEPARTED`, the digest of a complete attempt's ``recorded`` sequence, or 0.
+    def report(self, key: Hashable | None, departed: bool, recorded: Script | None, failed: bool = False) -> float:
+        """What this rank votes: :data:`STAND_IN_FAILED` (``failed``), :data:`DEPARTED`, a digest, or 0.
 
-        0 too where nothing is learned: scripts off, or an attempt without a key.
+        The digest is that of a complete attempt's ``recorded`` sequence; 0 where nothing is
+        learned: scripts off, or an attempt without a key.
         """
+        if failed:
+            return STAND_IN_FAILED
         if departed:
             return DEPARTED
         if not self.enabled or key is None or recorded is None or not len(recorded):
@@ -124,7 +162,7 @@ class Scripts:
 
     def agree(self, key: Hashable | None, reports: Sequence[float], recorded: Script | None) -> None:
         """After a vote: adopt ``recorded`` as ``key``'s script, keep what is known, or drop every script."""
-        if not self.enabled or key is None:
+        if not self.enabled or key is None or STAND_IN_FAILED in reports:
             return
         if DEPARTED in reports:
             self.enabled = False

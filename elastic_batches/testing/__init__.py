@@ -13,7 +13,8 @@ same path it takes on a GPU:
   :func:`inject_oom_in_cut` and :func:`inject_oom_in_op` strike in the cut of a padded
   microbatch and in any chosen aten operator (a concatenation, a stack, a buffer's allocation);
   :func:`inject_oom_in_all_gather` and :func:`inject_oom_in_reduce_scatter` in the allocation
-  of an FSDP2 collective's buffer.
+  of an FSDP2 collective's buffer, :func:`inject_oom_in_stand_in` in that of the buffer a rank
+  stands in for its script's collectives with.
 * :class:`AddressSpaceLimit` makes the real CPU allocator refuse (Linux): a limit on the
   process's address space, under which torch raises its own ``DefaultCPUAllocator: can't
   allocate memory``.
@@ -22,7 +23,11 @@ See ``docs/testing.md`` for a walk-through.
 """
 
 from elastic_batches.testing.address_space import AddressSpaceLimit, address_space_bytes
-from elastic_batches.testing.collectives import inject_oom_in_all_gather, inject_oom_in_reduce_scatter
+from elastic_batches.testing.collectives import (
+    inject_oom_in_all_gather,
+    inject_oom_in_reduce_scatter,
+    inject_oom_in_stand_in,
+)
 from elastic_batches.testing.injection import (
     OOMInjection,
     inject_oom,
@@ -44,5 +49,6 @@ __all__ = [
     "inject_oom_in_op",
     "inject_oom_in_optimizer",
     "inject_oom_in_reduce_scatter",
+    "inject_oom_in_stand_in",
     "inject_oom_in_transfer",
 ]

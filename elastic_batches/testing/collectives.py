@@ -1,9 +1,10 @@
-"""OOM injection in the buffers of FSDP2's collectives: an all-gather's output, a reduce-scatter's input.
+"""OOM injection in the buffers of FSDP2's collectives: an all-gather's output, a reduce-scatter's input, a stand-in's.
 
 FSDP2 allocates each collective's buffer through its comm object's ``allocate()`` just before
 the collective; these injections raise there, on a chosen rank, as the device's allocator
 would: the point where a rank that runs out of memory leaves its peers waiting in the
-collective that follows.
+collective that follows. A rank whose scripted attempt failed allocates one buffer for the
+collectives it stands in for (``Script.buffers``): :func:`inject_oom_in_stand_in` raises there.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from elastic_batches.testing.injection import OOMInjection, _call_set, _check_rank, _MethodPatch
 
-__all__ = ["inject_oom_in_all_gather", "inject_oom_in_reduce_scatter"]
+__all__ = ["inject_oom_in_all_gather", "inject_oom_in_reduce_scatter", "inject_oom_in_stand_in"]
 
 
 def _comm_classes() -> tuple[type, type]:
@@ -107,4 +108,48 @@ def inject_oom_in_reduce_scatter(*, calls: int | Iterable[int] = 0, rank: int | 
         return original(self, *args, **kwargs)
 
     handle._handles.append(_MethodPatch(reduce_scatter, "allocate", allocate))
+    return handle
+
+
+def inject_oom_in_stand_in(*, calls: int | Iterable[int] = 0, rank: int | None = None) -> OOMInjection:
+    """Raises :class:`torch.OutOfMemoryError` in chosen allocations of a stand-in's buffer (per-module FSDP2).
+
+    Counts the calls of ``Script.buffers`` (one per failed scripted attempt: the buffers of the
+    collectives the rank stands in for), numbered from 0 over the handle's lifetime on each rank,
+    and raises at the chosen ones before anything is allocated: the rank cannot stand in, and its
+    peers wait in the collective it does not start until the process group's timeout. Only one
+    injection of this kind can be active at a time.
+
+    Args:
+        calls: The allocation number, or numbers, to raise at (from 0). Default: the first.
+        rank: Raise only on this ``torch.distributed`` rank; ``None`` (default) on every rank.
+
+    Returns:
+        An :class:`OOMInjection` handle (context manager, ``remove()``, ``fired``, ``calls_seen``).
+
+    Raises:
+        ValueError: If ``calls`` or ``rank`` is negative or ``calls`` is empty.
+
+    Example:
+        >>> from elastic_batches.distributed.script import Script
+        >>> from elastic_batches.testing import inject_oom_in_stand_in
+        >>> with inject_oom_in_stand_in() as oom:
+        ...     try:
+        ...         Script(()).buffers(0)
+        ...     except Exception as err:
+        ...         print(err)
+        CUDA out of memory (injected by elastic_batches.testing at buffer allocation 0 of an FSDP2 stand-in)
+        >>> oom.fired
+        1
+    """
+    from elastic_batches.distributed.script import Script
+
+    handle = OOMInjection("an FSDP2 stand-in", "stand-in", _call_set(calls, "allocation"), _check_rank(rank))
+    original = Script.buffers
+
+    def buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handle._count_call("at buffer allocation")
+        return original(self, *args, **kwargs)
+
+    handle._handles.append(_MethodPatch(Script, "buffers", buffers))
     return handle

@@ -7,7 +7,9 @@ A *cell* is one combination of
 * the setting: ``"single"`` (one process), ``"ddp"``, ``"fsdp2"`` (``gather="auto"``: this model
   gathers once an attempt), ``"fsdp2-module"`` (``gather="module"``, each collective guarded) or,
   in the plain loop, ``"fsdp2-script"`` (the same, its first attempt at the OOM following the
-  script that two warm-up attempts agreed on) on two gloo ranks;
+  script that two warm-up attempts agreed on) and ``"fsdp2-eval"`` (the same, with a validation,
+  ``step.evaluate`` and a bare ``torch.no_grad()`` forward, between step 0 and the step of the
+  OOM: the script stays in use) on two gloo ranks;
 * the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
   padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
   its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already
@@ -41,11 +43,13 @@ deadline).
 ``tests/test_fault_matrix.py`` asserts all of this; ``benchmarks/fault_matrix.py`` runs the same
 cells and prints the table of ``docs/reliability.md``. The package: ``cells`` (what a cell is, its
 data, model and reference, what it must show), ``plain`` and ``lightning`` (running a cell in each
-loop), ``checks`` (judging its results), ``jobs`` (a setting's cells on one rank), ``churn``
+loop), ``checks`` (judging its results), ``jobs`` (a setting's cells on one rank), ``experts``
+(the mixture-of-experts cells: ranks whose rows go to different experts), ``churn``
 (OOM-and-retry cycles and memory that changes, measured).
 """
 
 from elastic_batches.testing.fault_matrix.cells import (
+    EVALUATED,
     FEATURES,
     GATHER,
     GLOBAL_ROWS,
@@ -64,6 +68,7 @@ from elastic_batches.testing.fault_matrix.cells import (
     RTOL,
     SAMPLES,
     SCRIPTED,
+    SCRIPTED_SETTINGS,
     SETTINGS,
     SPLIT,
     STEPS,
@@ -87,6 +92,13 @@ from elastic_batches.testing.fault_matrix.cells import (
     step_ids,
 )
 from elastic_batches.testing.fault_matrix.checks import id_check, outcome, problems, weight_errors
+from elastic_batches.testing.fault_matrix.experts import (
+    ExpertCell,
+    expert_cells,
+    expert_outcome,
+    expert_problems,
+    run_expert_cells,
+)
 from elastic_batches.testing.fault_matrix.jobs import run_cells
 from elastic_batches.testing.fault_matrix.lightning import (
     lightning_environment,
@@ -98,6 +110,8 @@ from elastic_batches.testing.fault_matrix.plain import GradNormOOM, distribute, 
 
 __all__ = [
     "Cell",
+    "EVALUATED",
+    "ExpertCell",
     "FEATURES",
     "GATHER",
     "GLOBAL_ROWS",
@@ -119,6 +133,7 @@ __all__ = [
     "SETTINGS",
     "LOOP_SETTINGS",
     "SCRIPTED",
+    "SCRIPTED_SETTINGS",
     "SPLIT",
     "STEPS",
     "WHERE",
@@ -129,6 +144,9 @@ __all__ = [
     "distribute",
     "error_of",
     "expected_outcome",
+    "expert_cells",
+    "expert_outcome",
+    "expert_problems",
     "flat",
     "id_check",
     "lightning_environment",
@@ -144,6 +162,7 @@ __all__ = [
     "relative_error",
     "result_of",
     "run_cells",
+    "run_expert_cells",
     "run_lightning_cell",
     "run_lightning_validation",
     "run_plain_cell",

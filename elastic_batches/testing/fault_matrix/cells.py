@@ -13,6 +13,7 @@ import elastic_batches as eb
 
 __all__ = [
     "Cell",
+    "EVALUATED",
     "FEATURES",
     "GATHER",
     "GLOBAL_ROWS",
@@ -32,6 +33,7 @@ __all__ = [
     "RTOL",
     "SAMPLES",
     "SCRIPTED",
+    "SCRIPTED_SETTINGS",
     "SETTINGS",
     "SPLIT",
     "STEPS",
@@ -62,15 +64,20 @@ FEATURES = 6
 WIDTH = 16
 LR = 0.1
 MAX_GRAD_NORM = 0.25  # every cell clips (the reference with torch's clip_grad_norm_)
-RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5, "fsdp2-script": 1e-5}  # float32, relative
+RTOL = {  # float32, relative
+    "single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5, "fsdp2-script": 1e-5, "fsdp2-eval": 1e-5,
+}  # fmt: skip
 ID_TOLERANCE = 1e-4  # |gradient x GLOBAL_ROWS - round(...)| per embedding row
 
 LOOPS = ("plain", "lightning")
 SETTINGS = ("single", "ddp", "fsdp2", "fsdp2-module")
 # Per module, step OOM_STEP's first attempt following a script (two warm-up attempts agreed on it): plain loop only.
 SCRIPTED = "fsdp2-script"
-LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED), "lightning": SETTINGS}
-GATHER = {"fsdp2-module": "module", SCRIPTED: "module"}  # ElasticStep's gather= per setting; "auto" otherwise
+# The same, with a validation (step.evaluate, then a bare no_grad forward) between step 0 and step OOM_STEP.
+EVALUATED = "fsdp2-eval"
+SCRIPTED_SETTINGS = (SCRIPTED, EVALUATED)
+LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED, EVALUATED), "lightning": SETTINGS}
+GATHER = {"fsdp2-module": "module", SCRIPTED: "module", EVALUATED: "module"}  # gather= per setting; else "auto"
 PHASES = ("transfer", "cut", "count", "forward", "backward", "sum", "clip", "step")
 MICROBATCH_PHASES = ("transfer", "cut", "count", "forward", "backward")  # struck at a chosen microbatch
 RECOVERING_PHASES = (*MICROBATCH_PHASES, "sum")  # between the start of an attempt and the vote
@@ -255,7 +262,7 @@ def _guarded(cell: Cell, retry: bool) -> bool:
 
     Per module; scripted, the first attempt follows its script and the retry (another count) does not.
     """
-    return cell.setting == "fsdp2-module" or (cell.setting == SCRIPTED and retry)
+    return cell.setting == "fsdp2-module" or (cell.setting in SCRIPTED_SETTINGS and retry)
 
 
 def _discarded_by_peer(cell: Cell, count: int, retry: bool = False) -> int:

@@ -14,7 +14,7 @@ from elastic_batches.testing.fault_matrix.cells import (
     OOM_STEP,
     RTOL,
     SAMPLES,
-    SCRIPTED,
+    SCRIPTED_SETTINGS,
     SPLIT,
     STEPS,
     WHERE,
@@ -103,7 +103,7 @@ def problems(cell: Cell, results: list[dict]) -> list[str]:
                     f"{where}step {OOM_STEP} ran as {result['counts'][OOM_STEP]} microbatches after throwing "
                     f"{result['discarded']} away, expected {count} after {discarded}: the OOM struck elsewhere"
                 )
-            if cell.setting == SCRIPTED:  # the rank that failed the scripted attempt stood in for its collectives
+            if cell.setting in SCRIPTED_SETTINGS:  # the rank that failed the scripted attempt stood in for them
                 first = 0 if cell.ranks == "both" else int(cell.ranks)
                 stands_in = rank == first and cell.phase != "sum"  # the losses are summed after the last one
                 if (result["stood_in"] > 0) != stands_in:

@@ -18,11 +18,12 @@ from elastic_batches.testing import (
     inject_oom_in_transfer,
 )
 from elastic_batches.testing.fault_matrix.cells import (
+    EVALUATED,
     GATHER,
     LR,
     MAX_GRAD_NORM,
     OOM_STEP,
-    SCRIPTED,
+    SCRIPTED_SETTINGS,
     SPLIT,
     STEPS,
     Cell,
@@ -159,8 +160,10 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
     for i in range(STEPS):
         x, y, ids = batch(i, rank, world)
         data: Any = padded_batch(i, rank, world) if cell.phase in ("cut", "count") else (x, y, ids)
-        if i == 0 and cell.setting == SCRIPTED:
+        if i == 0 and cell.setting in SCRIPTED_SETTINGS:
             _agree_on_a_script(step, data, loss_fn, counted=cell.phase == "count")
+        if cell.setting == EVALUATED and i == OOM_STEP:  # between two training steps (before every one, all alike)
+            _validate(step, model, x, ids)
         optimizer.zero_grad(set_to_none=True)
         handles = _arm(cell, rank, len(ids), model, step, optimizer) if i == OOM_STEP else []
         count_fn = next((h for h in handles if isinstance(h, _CountOOM)), _CountOOM(None))
@@ -177,7 +180,7 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
             fired += sum(h.fired for h in handles)
             for h in handles:
                 h.remove()
-    guard = getattr(step.sync, "guard", None) if cell.setting == SCRIPTED else None
+    guard = getattr(step.sync, "guard", None) if cell.setting in SCRIPTED_SETTINGS else None
     stood_in = guard.stood_in if guard is not None else 0
     return result_of(cell, done, error, model, snapshots, ids_checks, counts, fired, controller, stood_in)
 
@@ -192,6 +195,18 @@ def _agree_on_a_script(step: eb.ElasticStep, data: Any, loss_fn: Any, counted: b
     state = step.controller.state_dict()
     for _ in range(2):
         step.backward(data, loss_fn, count_fn=_CountOOM(None) if counted else None)
+    step.controller.load_state_dict(state)
+
+
+def _validate(step: eb.ElasticStep, model: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> None:
+    """A validation between training steps: ``step.evaluate``, then a bare ``no_grad`` forward; nothing kept.
+
+    The controller's state is put back, as after the warm-ups: the training steps run as without it.
+    """
+    state = step.controller.state_dict()
+    with torch.no_grad():
+        step.evaluate((x, ids), lambda mb: model(mb[0], mb[1]))
+        model(x, ids)
     step.controller.load_state_dict(state)
 
 
