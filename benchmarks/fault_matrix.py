@@ -36,6 +36,7 @@ COLUMNS = [("single", "0", "one process")] + [
         ("fsdp2", "FSDP2"),
         ("fsdp2-module", "FSDP2 per module"),
         ("fsdp2-script", "FSDP2 per module, scripted"),
+        ("ddp-overlap", "DDP, last microbatch overlapped"),
     )
     for ranks, label in (("0", "rank 0"), ("1", "rank 1"), ("both", "both ranks"))
 ]
@@ -112,7 +113,8 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
             (c.setting, c.ranks, c.phase, c.position): c for s in fm.LOOP_SETTINGS[loop] for c in fm.cells(loop, s)
         }
         rows = []
-        for c in fm.cells(loop, "single"):
+        widest = fm.OVERLAPPED if fm.OVERLAPPED in fm.LOOP_SETTINGS[loop] else "single"  # it adds the bucket rows
+        for c in fm.cells(loop, widest):
             rows.append((c.phase, c.position))
         print(f"\n#### {HEADINGS[loop]}\n")
         print("| OOM in | microbatch | " + " | ".join(label for _, _, label in COLUMNS) + " |")

@@ -26,6 +26,8 @@ __all__ = [
     "MAX_GRAD_NORM",
     "MICROBATCH_PHASES",
     "OOM_STEP",
+    "OVERLAPPED",
+    "OVERLAP_BUCKET_BYTES",
     "PHASES",
     "POSITIONS",
     "RECOVERING_PHASES",
@@ -62,18 +64,23 @@ FEATURES = 6
 WIDTH = 16
 LR = 0.1
 MAX_GRAD_NORM = 0.25  # every cell clips (the reference with torch's clip_grad_norm_)
-RTOL = {"single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5, "fsdp2-script": 1e-5}  # float32, relative
+RTOL = {"single": 1e-6, "ddp": 1e-5, "ddp-overlap": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5, "fsdp2-script": 1e-5}
 ID_TOLERANCE = 1e-4  # |gradient x GLOBAL_ROWS - round(...)| per embedding row
 
 LOOPS = ("plain", "lightning")
 SETTINGS = ("single", "ddp", "fsdp2", "fsdp2-module")
 # Per module, step OOM_STEP's first attempt following a script (two warm-up attempts agreed on it): plain loop only.
 SCRIPTED = "fsdp2-script"
-LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED), "lightning": SETTINGS}
+# DDP with buckets small enough that the last microbatch's backward starts three of the model's four (the fourth
+# carries the vote); its cells add an OOM in the hook that starts the first, middle or last of those three.
+OVERLAPPED = "ddp-overlap"
+OVERLAP_BUCKET_BYTES = 256
+LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED, OVERLAPPED), "lightning": SETTINGS}
 GATHER = {"fsdp2-module": "module", SCRIPTED: "module"}  # ElasticStep's gather= per setting; "auto" otherwise
 PHASES = ("transfer", "cut", "count", "forward", "backward", "sum", "clip", "step")
 MICROBATCH_PHASES = ("transfer", "cut", "count", "forward", "backward")  # struck at a chosen microbatch
-RECOVERING_PHASES = (*MICROBATCH_PHASES, "sum")  # between the start of an attempt and the vote
+# "bucket" (OVERLAPPED only): in the last microbatch's backward, starting the first, middle or last scheduled bucket
+RECOVERING_PHASES = (*MICROBATCH_PHASES, "bucket", "sum")  # between the start of an attempt and the vote
 # Lightning moves each batch to the device whole, before the step (no microbatch transfer to strike in);
 # "hook" is an OOM in on_before_optimizer_step, which Lightning runs inside its optimizer step, before clipping.
 LIGHTNING_PHASES = ("cut", "forward", "backward", "hook", "clip", "step")
@@ -115,10 +122,12 @@ class Cell:
 def cells(loop: str, setting: str) -> list[Cell]:
     """The cells of one loop and setting, in table order."""
     rank_variants = ("0",) if setting == "single" else ("0", "1", "both")
-    phases = PHASES if loop == "plain" else LIGHTNING_PHASES
+    phases: tuple[str, ...] = PHASES if loop == "plain" else LIGHTNING_PHASES
+    if setting == OVERLAPPED:
+        phases = (*phases[: phases.index("sum")], "bucket", *phases[phases.index("sum") :])
     out: list[Cell] = []
     for phase in phases:
-        for position in POSITIONS if phase in MICROBATCH_PHASES else (None,):
+        for position in POSITIONS if phase in (*MICROBATCH_PHASES, "bucket") else (None,):
             out.extend(Cell(loop, setting, phase, position, ranks) for ranks in rank_variants)
     return out
 
@@ -281,7 +290,7 @@ def _discarded_by_failing(cell: Cell, count: int) -> int:
     (its cut); ``count_fn`` runs on every microbatch before the first forward; the losses are
     summed after the last one.
     """
-    if cell.phase == "sum":
+    if cell.phase in ("sum", "bucket"):  # the losses are summed after the last microbatch; a bucket starts in it
         return count
     if cell.phase == "count":
         return 0
@@ -303,7 +312,7 @@ def oom_call(cell: Cell, rank: int, rows: int) -> int | None:
     if not cell.recovers or not cell.fires_on(rank):
         return None
     second = cell.ranks == "both" and rank == 1  # strikes in the retry
-    if cell.phase == "sum":  # one sum an attempt
+    if cell.phase in ("sum", "bucket"):  # one sum an attempt; each bucket starts once, in the last microbatch
         return int(second)
     assert cell.position is not None
     first, retry, _ = predicted_counts(rows)
