@@ -51,6 +51,7 @@ PHASE_NAMES = {
     "sum": "sum of the losses",
     "forward": "forward",
     "backward": "backward (first layer)",
+    "bucket": "bucket start (DDP's last backward; row: which of its buckets)",
     "hook": "`on_before_optimizer_step`",
     "clip": "gradient norm (clipping)",
     "step": "`optimizer.step()`",
