@@ -14,10 +14,13 @@ hand-written loops are what a careful user writes:
   accumulation (``set_reshard_after_forward/backward(False)`` until the last microbatch): the
   same memory as ``ElasticStep``'s scheme, which all-gathers once per attempt.
 
-``ElasticStep`` instead runs every microbatch without a collective, then votes, then reduces
-in its own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the
-second step on; the first step's vote is a separate ``all_gather``), then the other buckets
-follow (one bucket for both models here); under FSDP2 the vote rides in the first
+``ElasticStep`` instead runs every microbatch without a collective (under DDP, from the
+second step on, but for the last microbatch's backward, which starts every bucket's
+``all_reduce`` but the first as its gradients become ready), then votes, then reduces in its
+own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the second
+step on; the first step's vote is a separate ``all_gather``), the last of the step's; the row
+"ddp, not overlapped" is ``ElasticStep`` with ``overlap=False`` (every bucket but the first
+reduced after the vote, as before issue 29), timed in the same rounds; under FSDP2 the vote rides in the first
 ``reduce_scatter`` (with the gradients that fit in 1 MiB of float32 in each rank's part),
 then the others follow, after a gather check (an ``all_gather`` of 5 numbers) at the start of
 the step. Its cost is split into the vote ("vote ms": the collective with the vote in it) and
@@ -29,7 +32,10 @@ saves. The collectives an ElasticStep starts per step are counted ("collectives/
 all-reduces, all-gathers and reduce-scatters, steady state; under FSDP2 the all-gathers
 include FSDP2's own of the parameters, one per module that ``fully_shard`` wraps). The DDP
 baseline's sync is estimated as the extra time of its last (synchronising) microbatch over
-the others. For FSDP2 the row "fsdp2 kept" gives the second
+the others ("plain sync ms": the all-reduce that its backward did not hide); ``ElasticStep``'s
+the same way, plus its sync after the backward (``prepare``, vote, ``reduce``: "elastic
+exposed ms"), and "all-reduce alone ms" is every bucket's all-reduce in a row with the ranks
+arriving together (what a step would pay with no overlap at all). For FSDP2 the row "fsdp2 kept" gives the second
 baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over
 rounds that alternate which side runs first, each round (10 steps of the small model, one of
 the medium one) bracketed by a barrier and timed as the slower rank's, reported per step; the
@@ -58,8 +64,13 @@ per microbatch and the side channel's guard rounds ``ElasticStep`` adds per micr
 step, and a guard round's own latency with the ranks arriving together. Models: the small MLP
 above, and a wide one (4 units of 512x512 at 32 rows: parameters and gradients dominate).
 
+The communication-heavy model ``mlp-comm`` (6 layers of 2048, 25.2 M parameters, 8 rows a rank,
+split 2: five buckets, the all-reduce longer than the compute) runs under DDP on two ranks only,
+against a target of 1.02x.
+
 Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds;
-``--modes``: only FSDP2's gathering modes). Prints a table, then one JSON line per model and scheme.
+``--modes``: only FSDP2's gathering modes; ``--ddp``: only the DDP rows on two ranks). Prints a table, then
+one JSON line per model and scheme.
 """
 
 from __future__ import annotations
@@ -136,6 +147,12 @@ class _Timed:
         self.calls = {"all_reduce": 0, eb.distributed.wire.ALL_GATHER: 0, eb.distributed.wire.REDUCE_SCATTER: 0}
         for name, bucket in (("vote", "vote"), ("prepare", "sync"), ("reduce", "sync")):
             setattr(sync, name, self._timed(getattr(sync, name), bucket))
+        sync.timed = self
+
+    @staticmethod
+    def of(sync: Any) -> _Timed:
+        """The ``_Timed`` that wraps ``sync``."""
+        return sync.timed
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -229,24 +246,35 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
             total = total + weighted.detach()
         finish(model)
 
-    step = eb.ElasticStep(elastic, controller=eb.SplitController(split_count=split))
-    timed = _Timed(step.sync)
-    probes["timed"], probes["sync"] = timed, step.sync
+    def elastic_runner(model: nn.Module, overlap: bool, exposed: list[float]) -> tuple[Callable[[], None], Any]:
+        """An ElasticStep over ``model`` (DDP ``overlap=False``: every bucket reduced after the vote, as before)."""
+        step = eb.ElasticStep(model, controller=eb.SplitController(split_count=split))
+        if not overlap:
+            step.sync = eb.distributed.ddp.DistributedDataParallel(model, overlap=False)
+        timed = _Timed(step.sync)
+
+        def loss_of(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            timed.marks.append(time.perf_counter())
+            return loss(model(mb[0]), mb[1])
+
+        def run() -> None:
+            batch = eb.ElasticBatch.deferred((x, y), split_count=split)  # what MicrobatchingDataLoader yields
+            timed.marks, timed.spent = [], 0.0
+            step.backward(batch, loss_of)
+            exposed.append(_exposed(timed.marks, timed.spent))
+            finish(model)
+
+        return run, step
+
+    run_elastic, step = elastic_runner(elastic, True, probes["elastic_exposed"])
+    probes["timed"], probes["sync"] = _Timed.of(step.sync), step.sync
     probes["params"] = [p for p in elastic.parameters() if p.requires_grad]
 
-    def elastic_loss(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        timed.marks.append(time.perf_counter())
-        return loss(elastic(mb[0]), mb[1])
-
-    def run_elastic() -> None:
-        batch = eb.ElasticBatch.deferred((x, y), split_count=split)  # what MicrobatchingDataLoader yields
-        timed.marks, timed.spent = [], 0.0
-        step.backward(batch, elastic_loss)
-        probes["elastic_exposed"].append(_exposed(timed.marks, timed.spent))
-        finish(elastic)
-
     if kind == "ddp":
-        variants = {"plain": ddp_plain, "elastic": run_elastic}
+        # "serial": ElasticStep as before the overlapped last microbatch, on the model FSDP2 keeps unsharded
+        probes["serial_exposed"] = []
+        run_serial, _ = elastic_runner(kept, False, probes["serial_exposed"])
+        variants = {"plain": ddp_plain, "elastic": run_elastic, "serial": run_serial}
     else:
         variants = {"plain": lambda: fsdp_plain(plain, False), "kept": lambda: fsdp_plain(kept, True)}
         variants["elastic"] = run_elastic
@@ -377,6 +405,13 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
             if ddp:
                 record["plain_sync_ms"] = 1e3 * statistics.median(probes["last_extra"])
                 record["elastic_exposed_ms"] = 1e3 * statistics.median(probes["elastic_exposed"])
+                record["serial_exposed_ms"] = 1e3 * statistics.median(probes["serial_exposed"])
+                serial = times["serial"]
+                record["serial_ms"] = 1e3 * statistics.median(serial) / steps
+                record["serial_ratio"] = statistics.median(s / p for s, p in zip(serial, times["plain"], strict=True))
+                record["ratio_to_serial"] = statistics.median(
+                    e / s for e, s in zip(times["elastic"], serial, strict=True)
+                )
                 if world > 1:
                     record["all_reduce_alone_ms"] = 1e3 * _all_reduce_alone(probes["sync"])
             else:
@@ -615,6 +650,11 @@ def main() -> None:
              f"{r['all_gather_vote_ms']:.2f}",
              f"{r['elastic_sync_ms']:.2f}", plain_sync, exposed, alone, collectives]
         )  # fmt: skip
+        if "serial_ms" in r:
+            serial = [r["ranks"], r["model"], "ddp, not overlapped", r["rounds"], f"{r['plain_ms']:.2f}"]
+            serial += [f"{r['serial_ms']:.2f}", f"{r['serial_ratio']:.3f}", "", "", "", "", "", ""]
+            serial += [f"{r['serial_exposed_ms']:.2f}"]
+            rows.append(serial + [""] * (len(headers) - len(serial)))
         if "kept_ms" in r:
             kept = [r["ranks"], r["model"], "fsdp2 kept", r["rounds"], f"{r['kept_ms']:.2f}", ""]
             kept.append(f"{r['ratio_to_kept']:.3f}")
