@@ -219,3 +219,21 @@ def test_a_gradient_accumulated_after_its_bucket_started_raises_on_every_rank(ra
     for message in ranks.run(_backward_twice, timeout=60):
         assert "accumulated twice in the last microbatch" in message
         assert "overlap=False" in message
+
+
+def test_a_schedule_dropped_unclosed_removes_its_hooks() -> None:
+    """The hooks hold the schedule weakly: a sync that is replaced does not keep its buffers alive through them."""
+    import gc
+    import weakref
+
+    from elastic_batches.distributed.buckets import FlatPlan
+    from elastic_batches.distributed.overlap import BucketSchedule
+
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))]
+    schedule = BucketSchedule(FlatPlan(params, bucket_bytes=12, separate=True), params, group=None)
+    assert schedule.order == [1] and len(params[0]._post_accumulate_grad_hooks) == 1
+    alive = weakref.ref(schedule)
+    del schedule
+    gc.collect()
+    assert alive() is None
+    assert not params[0]._post_accumulate_grad_hooks and not params[1]._post_accumulate_grad_hooks

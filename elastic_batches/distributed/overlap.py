@@ -12,7 +12,8 @@ collectives in the same order, whatever it failed in, and the vote discards the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,23 @@ class _Grads(Sequence[torch.Tensor]):
         grad = self.params[index].grad
         assert grad is not None  # a post-accumulate-grad hook fired for it
         return grad
+
+
+def _hook(schedule: weakref.ref[BucketSchedule]) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that does not keep ``schedule`` (and its buffers) alive."""
+
+    def ready(param: torch.Tensor) -> None:
+        alive = schedule()
+        if alive is not None:
+            alive._ready(param)
+
+    return ready
+
+
+def _remove(hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
+    for hook in hooks:
+        hook.remove()
+    hooks.clear()
 
 
 class BucketSchedule:
@@ -72,7 +90,9 @@ class BucketSchedule:
         self._final: set[int] = set()
         self._scale: float | None = None  # armed: the factor each rank's gradients are sent times
         self._works: list[dist.Work] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        hook = _hook(weakref.ref(self))
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        self._unhook = weakref.finalize(self, _remove, self._hooks)  # a schedule dropped unclosed unhooks too
 
     @property
     def started(self) -> int:
@@ -133,6 +153,4 @@ class BucketSchedule:
 
     def close(self) -> None:
         """Remove the hooks (the plan changed); nothing may be in flight."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._unhook()
