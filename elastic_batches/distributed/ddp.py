@@ -165,7 +165,7 @@ class DistributedDataParallel(Agreeing):
             plan = FlatPlan(params, self.bucket_bytes, vote_numel=vote, separate=self.overlap, first_bytes=first)
             if plan.vote is not None:
                 self._votes = VoteBytes(self.rank, self.world_size, plan.vote.dtype)
-            if self.overlap and plan.fused is not None:
+            if self.overlap and plan.fused is not None and len(plan.buckets) > 1:  # one bucket: nothing to overlap
                 self._schedule = BucketSchedule(plan, params, self.group)
             self._plan, self._plan_key = plan, key
         assert self._plan is not None
