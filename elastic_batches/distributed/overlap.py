@@ -94,11 +94,6 @@ class BucketSchedule:
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
         self._unhook = weakref.finalize(self, _remove, self._hooks)  # a schedule dropped unclosed unhooks too
 
-    @property
-    def started(self) -> int:
-        """How many buckets of :attr:`order` have started (this attempt)."""
-        return len(self._works)
-
     def arm(self, scale: float) -> None:
         """Before the last microbatch: its backward starts each bucket, its gradients sent ``scale`` times."""
         self._pending = list(self._held)
