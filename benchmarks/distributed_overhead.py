@@ -14,10 +14,13 @@ hand-written loops are what a careful user writes:
   accumulation (``set_reshard_after_forward/backward(False)`` until the last microbatch): the
   same memory as ``ElasticStep``'s scheme, which all-gathers once per attempt.
 
-``ElasticStep`` instead runs every microbatch without a collective, then votes, then reduces
-in its own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the
-second step on; the first step's vote is a separate ``all_gather``), then the other buckets
-follow (one bucket for both models here); under FSDP2 the vote rides in the first
+``ElasticStep`` instead runs every microbatch without a collective (under DDP, from the
+second step on, but for the last microbatch's backward, which starts every bucket's
+``all_reduce`` but the first as its gradients become ready), then votes, then reduces in its
+own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the second
+step on; the first step's vote is a separate ``all_gather``), the last of the step's; the row
+"ddp, not overlapped" is ``ElasticStep`` with ``overlap=False`` (every bucket but the first
+reduced after the vote, as before issue 29), timed in the same rounds; under FSDP2 the vote rides in the first
 ``reduce_scatter`` (with the gradients that fit in 1 MiB of float32 in each rank's part),
 then the others follow, after a gather check (an ``all_gather`` of 5 numbers) at the start of
 the step. Its cost is split into the vote ("vote ms": the collective with the vote in it) and
@@ -29,7 +32,10 @@ saves. The collectives an ElasticStep starts per step are counted ("collectives/
 all-reduces, all-gathers and reduce-scatters, steady state; under FSDP2 the all-gathers
 include FSDP2's own of the parameters, one per module that ``fully_shard`` wraps). The DDP
 baseline's sync is estimated as the extra time of its last (synchronising) microbatch over
-the others. For FSDP2 the row "fsdp2 kept" gives the second
+the others ("plain sync ms": the all-reduce that its backward did not hide); ``ElasticStep``'s
+the same way, plus its sync after the backward (``prepare``, vote, ``reduce``: "elastic
+exposed ms"), and "all-reduce alone ms" is every bucket's all-reduce in a row with the ranks
+arriving together (what a step would pay with no overlap at all). For FSDP2 the row "fsdp2 kept" gives the second
 baseline's time, and in the ratio column ElasticStep's time over it. Times are medians over
 rounds that alternate which side runs first, each round (10 steps of the small model, one of
 the medium one) bracketed by a barrier and timed as the slower rank's, reported per step; the
@@ -58,8 +64,13 @@ per microbatch and the side channel's guard rounds ``ElasticStep`` adds per micr
 step, and a guard round's own latency with the ranks arriving together. Models: the small MLP
 above, and a wide one (4 units of 512x512 at 32 rows: parameters and gradients dominate).
 
+The communication-heavy model ``mlp-comm`` (6 layers of 2048, 25.2 M parameters, 8 rows a rank,
+split 2: five buckets, the all-reduce longer than the compute) runs under DDP on two ranks only,
+against a target of 1.02x.
+
 Run: ``python benchmarks/distributed_overhead.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer rounds;
-``--modes``: only FSDP2's gathering modes). Prints a table, then one JSON line per model and scheme.
+``--modes``: only FSDP2's gathering modes; ``--ddp``: only the DDP rows on two ranks). Prints a table, then
+one JSON line per model and scheme.
 """
 
 from __future__ import annotations
@@ -82,6 +93,7 @@ from torch import nn
 import elastic_batches as eb
 
 TARGET = 1.05
+COMM_TARGET = 1.02  # the communication-heavy model (issue 29)
 SPLIT = 4
 QUICK = os.environ.get("ELASTIC_BATCHES_BENCH_QUICK", "") not in ("", "0")
 # Rounds per model and scheme. A round of the small model's DDP steps (about 35 ms) varies by
@@ -93,10 +105,14 @@ MODELS = {
     # name: (features, hidden width, hidden layers, rows per rank)
     "mlp-small": (64, 128, 2, 64),  # little arithmetic: the protocol's fixed costs show
     "mlp-medium": (256, 1024, 3, 256),  # ~2.4 M parameters: gradient sync matters
+    "mlp-comm": (2048, 2048, 5, 8),  # 6 layers of 2048, 25.2 M parameters, 8 rows: communication dominates
 }
 # Steps timed together in one round: a single 3 ms step of two ranks sharing two cores is at the
 # scheduler's mercy (its time is bimodal), ten in a row much less so.
-STEPS_PER_ROUND = {"mlp-small": 10, "mlp-medium": 1}
+STEPS_PER_ROUND = {"mlp-small": 10, "mlp-medium": 1, "mlp-comm": 1}
+SPLITS = {"mlp-comm": 2}  # microbatches per step where not SPLIT
+SCHEMES = {"mlp-comm": ("ddp",)}  # where not both DDP and FSDP2 (the overlapped last microbatch is DDP's)
+ONLY_DDP = "ELASTIC_BATCHES_BENCH_DDP"  # set (by --ddp): the DDP rows on two ranks only
 
 
 def _model(features: int, width: int, layers: int) -> nn.Sequential:
@@ -118,13 +134,25 @@ def _fsdp(model: nn.Sequential, mesh: Any) -> nn.Module:
 
 
 class _Timed:
-    """Wraps the sync object's methods to add their seconds to ``totals``, and counts collectives in ``calls``."""
+    """Wraps the sync object's methods to add their seconds to ``totals``, and counts collectives in ``calls``.
+
+    ``marks`` gets the time each ``prepare`` starts (the end of an attempt's last microbatch), and
+    ``spent`` the seconds of ``prepare``, ``vote`` and ``reduce`` (the step's sync after its backward).
+    """
 
     def __init__(self, sync: Any) -> None:
+        self.marks: list[float] = []
+        self.spent = 0.0
         self.totals = {"vote": 0.0, "sync": 0.0}
         self.calls = {"all_reduce": 0, eb.distributed.wire.ALL_GATHER: 0, eb.distributed.wire.REDUCE_SCATTER: 0}
         for name, bucket in (("vote", "vote"), ("prepare", "sync"), ("reduce", "sync")):
             setattr(sync, name, self._timed(getattr(sync, name), bucket))
+        sync.timed = self
+
+    @staticmethod
+    def of(sync: Any) -> _Timed:
+        """The ``_Timed`` that wraps ``sync``."""
+        return sync.timed
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -147,24 +175,41 @@ class _Timed:
                 setattr(dist, name, original)
 
     def _timed(self, fn: Callable[..., Any], bucket: str) -> Callable[..., Any]:
+        prepare = fn.__name__ == "prepare"
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            if prepare:
+                self.marks.append(start)
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.totals[bucket] += time.perf_counter() - start
+                spent = time.perf_counter() - start
+                self.totals[bucket] += spent
+                self.spent += spent
 
         return wrapper
 
 
+def _exposed(marks: list[float], after: float) -> float:
+    """Seconds of a step's sync not hidden by its backward: the last microbatch's excess over the others', ``after``.
+
+    ``marks``: when each microbatch started, then when the last one ended; ``after``: the sync's
+    seconds after the backward.
+    """
+    durations = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    return durations[-1] - statistics.median(durations[:-1]) + after
+
+
 def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Callable[[], None]], dict[str, Any]]:
     features, width, layers, rows = MODELS[name]
+    split = SPLITS.get(name, SPLIT)
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(rows, features, generator=generator)
     y = torch.randn(rows, 1, generator=generator)
-    pieces = list(zip(x.tensor_split(SPLIT), y.tensor_split(SPLIT), strict=True))
+    pieces = list(zip(x.tensor_split(split), y.tensor_split(split), strict=True))
     loss = nn.functional.mse_loss
-    probes: dict[str, Any] = {"last_extra": []}
+    probes: dict[str, Any] = {"last_extra": [], "elastic_exposed": []}
 
     wrap = (lambda m: nn.parallel.DistributedDataParallel(m)) if kind == "ddp" else (lambda m: _fsdp(m, mesh))
     plain, kept, elastic = (wrap(_model(features, width, layers)) for _ in range(3))
@@ -178,7 +223,7 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
         times = []
         total: Any = 0.0
         for i, (xi, yi) in enumerate(pieces):
-            context = plain.no_sync() if i < SPLIT - 1 else contextlib.nullcontext()
+            context = plain.no_sync() if i < split - 1 else contextlib.nullcontext()
             start = time.perf_counter()
             with context:
                 weighted = loss(plain(xi), yi) * (len(xi) / rows)
@@ -191,7 +236,7 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
     def fsdp_plain(model: Any, keep: bool) -> None:
         total: Any = 0.0
         for i, (xi, yi) in enumerate(pieces):
-            last = i == SPLIT - 1
+            last = i == split - 1
             model.set_requires_gradient_sync(last)
             if keep:
                 model.set_reshard_after_forward(last)
@@ -201,18 +246,35 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
             total = total + weighted.detach()
         finish(model)
 
-    step = eb.ElasticStep(elastic, controller=eb.SplitController(split_count=SPLIT))
-    timed = _Timed(step.sync)
-    probes["timed"], probes["sync"] = timed, step.sync
+    def elastic_runner(model: nn.Module, overlap: bool, exposed: list[float]) -> tuple[Callable[[], None], Any]:
+        """An ElasticStep over ``model`` (DDP ``overlap=False``: every bucket reduced after the vote, as before)."""
+        step = eb.ElasticStep(model, controller=eb.SplitController(split_count=split))
+        if not overlap:
+            step.sync = eb.distributed.ddp.DistributedDataParallel(model, overlap=False)
+        timed = _Timed(step.sync)
+
+        def loss_of(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            timed.marks.append(time.perf_counter())
+            return loss(model(mb[0]), mb[1])
+
+        def run() -> None:
+            batch = eb.ElasticBatch.deferred((x, y), split_count=split)  # what MicrobatchingDataLoader yields
+            timed.marks, timed.spent = [], 0.0
+            step.backward(batch, loss_of)
+            exposed.append(_exposed(timed.marks, timed.spent))
+            finish(model)
+
+        return run, step
+
+    run_elastic, step = elastic_runner(elastic, True, probes["elastic_exposed"])
+    probes["timed"], probes["sync"] = _Timed.of(step.sync), step.sync
     probes["params"] = [p for p in elastic.parameters() if p.requires_grad]
 
-    def run_elastic() -> None:
-        batch = eb.ElasticBatch.deferred((x, y), split_count=SPLIT)  # what MicrobatchingDataLoader yields
-        step.backward(batch, lambda mb: loss(elastic(mb[0]), mb[1]))
-        finish(elastic)
-
     if kind == "ddp":
-        variants = {"plain": ddp_plain, "elastic": run_elastic}
+        # "serial": ElasticStep as before the overlapped last microbatch, on the model FSDP2 keeps unsharded
+        probes["serial_exposed"] = []
+        run_serial, _ = elastic_runner(kept, False, probes["serial_exposed"])
+        variants = {"plain": ddp_plain, "elastic": run_elastic, "serial": run_serial}
     else:
         variants = {"plain": lambda: fsdp_plain(plain, False), "kept": lambda: fsdp_plain(kept, True)}
         variants["elastic"] = run_elastic
@@ -269,6 +331,19 @@ def _vote_alone(sync: Any, params: list[torch.Tensor] | None, calls: int = 50) -
     return float(elapsed)
 
 
+def _all_reduce_alone(sync: Any, calls: int = 5) -> float:
+    """Seconds to all-reduce every gradient bucket one after the other, the ranks arriving together (DDP)."""
+    flats = [bucket.flat for bucket in sync._plan.buckets]
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        for flat in flats:
+            dist.all_reduce(flat)
+    elapsed = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def _collectives_per_step(run: Callable[[], None], timed: _Timed, steps: int = 5) -> dict[str, float]:
     """All-reduces, all-gathers and reduce-scatters per ElasticStep step, in steady state."""
     timed.calls = dict.fromkeys(timed.calls, 0)
@@ -285,8 +360,11 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     records = []
+    only_ddp = os.environ.get(ONLY_DDP, "") not in ("", "0")
     for name in MODELS:
-        for kind in ("ddp", "fsdp2"):
+        for kind in SCHEMES.get(name, ("ddp", "fsdp2")):
+            if (only_ddp and kind != "ddp") or (name == "mlp-comm" and world == 1):  # one rank: nothing to reduce
+                continue
             variants, probes = _variants(kind, name, rank, mesh)
             steps = STEPS_PER_ROUND[name]
             timed = probes["timed"]
@@ -305,7 +383,7 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 "ranks": world,
                 "model": name,
                 "scheme": kind,
-                "split": SPLIT,
+                "split": SPLITS.get(name, SPLIT),
                 "steps_per_round": steps,
                 "plain_ms": 1e3 * plain,
                 "elastic_ms": 1e3 * elastic,
@@ -318,13 +396,24 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 "elastic_sync_ms": 1e3 * in_steps["sync"] / calls,
                 "target": TARGET,
             }
-            record["met"] = record["ratio"] <= TARGET
+            record["target"] = COMM_TARGET if name == "mlp-comm" else TARGET
+            record["met"] = record["ratio"] <= record["target"]
             collectives = _collectives_per_step(variants["elastic"], timed)
             record["all_reduces_per_step"] = collectives["all_reduce"]
             record["all_gathers_per_step"] = collectives[eb.distributed.wire.ALL_GATHER]
             record["reduce_scatters_per_step"] = collectives[eb.distributed.wire.REDUCE_SCATTER]
             if ddp:
                 record["plain_sync_ms"] = 1e3 * statistics.median(probes["last_extra"])
+                record["elastic_exposed_ms"] = 1e3 * statistics.median(probes["elastic_exposed"])
+                record["serial_exposed_ms"] = 1e3 * statistics.median(probes["serial_exposed"])
+                serial = times["serial"]
+                record["serial_ms"] = 1e3 * statistics.median(serial) / steps
+                record["serial_ratio"] = statistics.median(s / p for s, p in zip(serial, times["plain"], strict=True))
+                record["ratio_to_serial"] = statistics.median(
+                    e / s for e, s in zip(times["elastic"], serial, strict=True)
+                )
+                if world > 1:
+                    record["all_reduce_alone_ms"] = 1e3 * _all_reduce_alone(probes["sync"])
             else:
                 kept = times["kept"]
                 record["kept_ms"] = 1e3 * statistics.median(kept) / steps
@@ -534,32 +623,47 @@ def _modes_table(records: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    modes = _run(2, _modes_worker) + _run(4, _modes_worker)
-    _modes_table(modes)
+    modes: list[dict[str, Any]] = []
+    if "--ddp" in sys.argv[1:]:
+        os.environ[ONLY_DDP] = "1"  # the spawned ranks inherit it
+    else:
+        modes = _run(2, _modes_worker) + _run(4, _modes_worker)
+        _modes_table(modes)
     if "--modes" in sys.argv[1:]:
         for r in modes:
             print(json.dumps(r))
         return
-    records = _run(2) + _run(1)
+    records = _run(2) if "--ddp" in sys.argv[1:] else _run(2) + _run(1)
     headers = ["ranks", "model", "scheme", "rounds", "plain ms", "elastic ms", "ratio", "cpu over plain ms", "vote ms"]
-    headers += ["vote alone ms", "all_gather vote ms", "elastic sync ms", "plain sync ms", "collectives/step"]
+    headers += ["vote alone ms", "all_gather vote ms", "elastic sync ms", "plain sync ms", "elastic exposed ms"]
+    headers += ["all-reduce alone ms", "collectives/step"]
     rows = []
     for r in records:
         plain_sync = f"{r['plain_sync_ms']:.2f}" if "plain_sync_ms" in r else "n/a"
+        exposed = f"{r['elastic_exposed_ms']:.2f}" if "elastic_exposed_ms" in r else "n/a"
+        alone = f"{r['all_reduce_alone_ms']:.2f}" if "all_reduce_alone_ms" in r else "n/a"
         counts = (r["all_reduces_per_step"], r["all_gathers_per_step"], r["reduce_scatters_per_step"])
         collectives = "{:g} ar + {:g} ag + {:g} rs".format(*counts)
         rows.append(
             [r["ranks"], r["model"], r["scheme"], r["rounds"], f"{r['plain_ms']:.2f}", f"{r['elastic_ms']:.2f}",
              f"{r['ratio']:.3f}", f"{r['cpu_over_plain_ms']:.3f}", f"{r['vote_ms']:.2f}", f"{r['vote_alone_ms']:.2f}",
              f"{r['all_gather_vote_ms']:.2f}",
-             f"{r['elastic_sync_ms']:.2f}", plain_sync, collectives]
+             f"{r['elastic_sync_ms']:.2f}", plain_sync, exposed, alone, collectives]
         )  # fmt: skip
+        if "serial_ms" in r:
+            serial = [r["ranks"], r["model"], "ddp, not overlapped", r["rounds"], f"{r['plain_ms']:.2f}"]
+            serial += [f"{r['serial_ms']:.2f}", f"{r['serial_ratio']:.3f}", "", "", "", "", "", ""]
+            serial += [f"{r['serial_exposed_ms']:.2f}"]
+            rows.append(serial + [""] * (len(headers) - len(serial)))
         if "kept_ms" in r:
             kept = [r["ranks"], r["model"], "fsdp2 kept", r["rounds"], f"{r['kept_ms']:.2f}", ""]
             kept.append(f"{r['ratio_to_kept']:.3f}")
             rows.append(kept + [""] * (len(headers) - len(kept)))
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
-    print(f"ElasticStep vs hand-written accumulation at split {SPLIT}, gloo ranks on CPU (target <= {TARGET}x)")
+    print(
+        f"ElasticStep vs hand-written accumulation at split {SPLIT} (mlp-comm: {SPLITS['mlp-comm']}), gloo ranks "
+        f"on CPU (target <= {TARGET}x; mlp-comm <= {COMM_TARGET}x)"
+    )
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))

@@ -37,6 +37,7 @@ COLUMNS = [("single", "0", "one process")] + [
         ("fsdp2-module", "FSDP2 per module"),
         ("fsdp2-script", "FSDP2 per module, scripted"),
         ("fsdp2-eval", "FSDP2 per module, scripted, validated between steps"),
+        ("ddp-overlap", "DDP, last microbatch overlapped"),
     )
     for ranks, label in (("0", "rank 0"), ("1", "rank 1"), ("both", "both ranks"))
 ]
@@ -51,6 +52,7 @@ PHASE_NAMES = {
     "sum": "sum of the losses",
     "forward": "forward",
     "backward": "backward (first layer)",
+    "bucket": "bucket start (DDP's last backward; row: which of its buckets)",
     "hook": "`on_before_optimizer_step`",
     "clip": "gradient norm (clipping)",
     "step": "`optimizer.step()`",
@@ -120,7 +122,8 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
             (c.setting, c.ranks, c.phase, c.position): c for s in fm.LOOP_SETTINGS[loop] for c in fm.cells(loop, s)
         }
         rows = []
-        for c in fm.cells(loop, "single"):
+        widest = fm.OVERLAPPED if fm.OVERLAPPED in fm.LOOP_SETTINGS[loop] else "single"  # it adds the bucket rows
+        for c in fm.cells(loop, widest):
             rows.append((c.phase, c.position))
         print(f"\n#### {HEADINGS[loop]}\n")
         print("| OOM in | microbatch | " + " | ".join(label for _, _, label in COLUMNS) + " |")

@@ -566,12 +566,15 @@ class ElasticStep:
                 self.sync.weigh(attempt.total)
                 if meter is not None:
                     microbatches = self._windowed(microbatches, batch, attempt.sizes, meter)
+            measuring = meter is not None and bool(attempt.lead)  # cut as it goes: which one is last is unknown
             for mb in microbatches:
                 attempt.started += 1
                 if mb.weight == 0.0:
                     if meter is not None:
                         meter.skip()
                     continue  # nothing to count in it: its loss would be 0/0
+                if not measuring and mb.index == mb.count - 1:
+                    self.sync.last_microbatch()  # DDP: its backward starts the gradient buckets' all-reduce
                 losses.append(self._run(mb, loss_fn, unwrap, leaves, meter))
                 if meter is not None:
                     meter.end()

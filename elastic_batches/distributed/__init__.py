@@ -3,7 +3,9 @@
 The protocol (``docs/distributed.md`` walks through it on two ranks):
 
 1. Every microbatch runs without any collective that a rank's OOM could strand: DDP under
-   ``no_sync`` with its forward buffer broadcast off; FSDP2 gathered once an attempt with
+   ``no_sync`` with its forward buffer broadcast off (from the second step, the last
+   microbatch's backward starts the gradient buckets' all-reduces in an order every rank
+   shares, and a rank that fails stands in for those it did not start: ``overlap``); FSDP2 gathered once an attempt with
    every parameter all-gathered *before* the first microbatch and gradient reduction and
    resharding switched off until the last one is done; FSDP2 gathered per module with each of
    FSDP2's own collectives *guarded*: a round on a CPU side channel first, in which every rank
@@ -32,8 +34,9 @@ The protocol (``docs/distributed.md`` walks through it on two ranks):
 same small collective for other phases that may raise on one rank only (the optimizer step).
 
 The package, one file a concept: ``protocol`` (what every rank votes and learns, the one-process
-scheme), ``wire`` (how a vote travels), ``buckets`` (flat gradient buckets), ``guard`` (the
-side channel that guards FSDP2's collectives), ``plain`` (several ranks, a module without a
+scheme), ``wire`` (how a vote travels), ``buckets`` (flat gradient buckets), ``overlap`` (DDP's
+bucket schedule in the last microbatch), ``guard`` (the side channel that guards FSDP2's
+collectives), ``plain`` (several ranks, a module without a
 wrapper), ``ddp``, ``fsdp2`` (gathered once an attempt), ``fsdp2_modules`` (gathered per module)
 and ``fsdp2_auto`` (the choice between them).
 """

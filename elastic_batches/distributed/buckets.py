@@ -54,16 +54,19 @@ def _memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     return permuted.view(-1) if permuted.is_contiguous() else None
 
 
-def _segments(numels: Sequence[int], splittable: Sequence[bool], capacity: int) -> list[list[tuple[int, int, int]]]:
+def _segments(
+    numels: Sequence[int], splittable: Sequence[bool], capacity: int, first: int | None = None
+) -> list[list[tuple[int, int, int]]]:
     """Buckets of ``(index, start, stop)`` (elements of tensor ``index``) of at most ``capacity`` elements.
 
     Consecutive tensors fill a bucket; a splittable tensor continues in the next bucket where
-    one is full, so that no bucket exceeds ``capacity``. A tensor that cannot be split goes
-    whole into a bucket (alone when it is larger than ``capacity``). Empty tensors are left out.
+    one is full, so that no bucket exceeds ``capacity`` (the first: ``first``, when given). A
+    tensor that cannot be split goes whole into a bucket (alone when it is larger than
+    ``capacity``). Empty tensors are left out.
     """
     buckets: list[list[tuple[int, int, int]]] = []
     bucket: list[tuple[int, int, int]] = []
-    room = capacity
+    room = capacity if first is None else first
     for index, numel in enumerate(numels):
         start = 0
         while start < numel:
@@ -93,7 +96,9 @@ class FlatPlan:
     """Tensors in buckets of at most ``bucket_bytes``, one flat buffer per dtype and device, reused per bucket.
 
     The buffers are allocated once, here, and kept with the plan: nothing is allocated when a
-    bucket runs. With ``vote_numel``, the first bucket belongs to a dtype that can carry a vote
+    bucket runs. With ``separate``, every bucket has a buffer of its own (the size of all the
+    tensors together, as DDP's own buckets), so that several buckets can be in flight at once.
+    With ``vote_numel``, the first bucket belongs to a dtype that can carry a vote
     (``wire.BYTE_CARRIERS``) and ``vote_numel`` more elements follow it in its buffer: ``fused``
     is the first bucket and that vote segment, reduced in one collective.
 
@@ -102,9 +107,31 @@ class FlatPlan:
             shapes, dtypes, devices and layouts).
         bucket_bytes: The most one bucket holds.
         vote_numel: Elements of the vote segment; 0: none.
+        separate: A buffer per bucket instead of one per dtype and device.
+        first_bytes: The most the first bucket of each dtype and device holds (``bucket_bytes``
+            when ``None``).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.distributed.buckets import FlatPlan
+        >>> grads = [torch.ones(3), torch.ones(5)]
+        >>> plan = FlatPlan(grads, bucket_bytes=16, separate=True)
+        >>> [len(b.flat) for b in plan.buckets], plan.holders
+        ([4, 4], [[0], [0, 1]])
+        >>> flat = plan.fill(1, plan.parts(1, grads), 2.0)
+        >>> flat.tolist()
+        [2.0, 2.0, 2.0, 2.0]
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int, vote_numel: int = 0) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        bucket_bytes: int,
+        vote_numel: int = 0,
+        *,
+        separate: bool = False,
+        first_bytes: int | None = None,
+    ) -> None:
         self.splittable = [_memory_order(t) is not None for t in tensors]
         self.cut: set[int] = set()  # tensors split between buckets: copied through their memory-order views
         kinds = list(_by_kind(tensors).items())
@@ -114,20 +141,26 @@ class FlatPlan:
         self.buckets: list[_Bucket] = []
         self.fused: torch.Tensor | None = None
         self.vote: torch.Tensor | None = None
+        self.holders: list[list[int]] = [[] for _ in tensors]  # per tensor, the buckets that hold a part of it
         for kind, ((dtype, device), indices) in enumerate(kinds):
             capacity = max(1, bucket_bytes // dtype.itemsize)
+            first = None if first_bytes is None else max(1, first_bytes // dtype.itemsize)
             numels = [tensors[i].numel() for i in indices]
-            grouped = _segments(numels, [self.splittable[i] for i in indices], capacity)
+            grouped = _segments(numels, [self.splittable[i] for i in indices], capacity, first)
             if not grouped:
                 continue
             sizes = [sum(stop - start for _, start, stop in bucket) for bucket in grouped]
             extra = vote_numel if kind == 0 and carriers else 0
-            buffer = torch.empty(max(max(sizes), sizes[0] + extra), dtype=dtype, device=device)
-            if extra:
-                self.fused = buffer[: sizes[0] + extra]
-                self.vote = buffer[sizes[0] : sizes[0] + extra]
-            for bucket, size in zip(grouped, sizes, strict=True):
+            shared = None if separate else torch.empty(max(max(sizes), sizes[0] + extra), dtype=dtype, device=device)
+            for number, (bucket, size) in enumerate(zip(grouped, sizes, strict=True)):
+                head = extra if number == 0 else 0
+                buffer = shared if shared is not None else torch.empty(size + head, dtype=dtype, device=device)
+                if head:
+                    self.fused = buffer[: size + head]
+                    self.vote = buffer[size : size + head]
                 segments = [(indices[j], start, stop) for j, start, stop in bucket]
+                for i in dict.fromkeys(i for i, _, _ in segments):
+                    self.holders[i].append(len(self.buckets))
                 views, offset = [], 0
                 for i, start, stop in segments:
                     view = buffer[offset : offset + stop - start]
@@ -149,20 +182,28 @@ class FlatPlan:
             RuntimeError: a tensor that the plan splits is not one dense block (a gradient
                 assigned by hand with another layout than its parameter's).
         """
-        ordered: dict[int, torch.Tensor] = {}
-        for i in self.cut:
-            view = _memory_order(tensors[i])
-            if view is None:
-                tensor = tensors[i]
-                raise RuntimeError(
-                    f"ElasticStep: a gradient of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not "
-                    "one dense block, as its parameter is: give it its parameter's layout (torch.empty_like)"
-                )
-            ordered[i] = view
+        return [self.parts(index, tensors) for index in range(len(self.buckets))]
+
+    def parts(self, index: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Bucket ``index``'s part of :meth:`bind`: only the tensors it holds are read.
+
+        Raises:
+            RuntimeError: as :meth:`bind`.
+        """
         return [
-            [ordered[i][start:stop] if i in ordered else tensors[i] for i, start, stop in bucket.segments]
-            for bucket in self.buckets
+            tensors[i] if i not in self.cut else self._ordered(tensors[i])[start:stop]
+            for i, start, stop in self.buckets[index].segments
         ]
+
+    @staticmethod
+    def _ordered(tensor: torch.Tensor) -> torch.Tensor:
+        view = _memory_order(tensor)
+        if view is None:
+            raise RuntimeError(
+                f"ElasticStep: a gradient of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not "
+                "one dense block, as its parameter is: give it its parameter's layout (torch.empty_like)"
+            )
+        return view
 
     def fill(self, index: int, parts: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """Copy ``parts`` (bucket ``index``'s, from :meth:`bind`) into the flat buffer, times ``scale``."""

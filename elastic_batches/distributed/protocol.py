@@ -189,6 +189,13 @@ class GradientSync:
         rank's contribution by it; the others learn it from the vote.
         """
 
+    def last_microbatch(self) -> None:
+        """Before an attempt's last microbatch, once :meth:`weigh` told its total: its backward may start reducing.
+
+        DDP starts each gradient bucket's all-reduce as soon as that backward makes it ready
+        (``overlap``); the other schemes reduce after the vote.
+        """
+
     def fall_back(self) -> bool:
         """After an OOM at the smallest microbatch on some rank, where the step would stop (every rank alike).
 

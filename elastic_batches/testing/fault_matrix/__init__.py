@@ -7,13 +7,16 @@ A *cell* is one combination of
 * the setting: ``"single"`` (one process), ``"ddp"``, ``"fsdp2"`` (``gather="auto"``: this model
   gathers once an attempt), ``"fsdp2-module"`` (``gather="module"``, each collective guarded) or,
   in the plain loop, ``"fsdp2-script"`` (the same, its first attempt at the OOM following the
-  script that two warm-up attempts agreed on) and ``"fsdp2-eval"`` (the same, with a validation,
+  script that two warm-up attempts agreed on), ``"fsdp2-eval"`` (the same, with a validation,
   ``step.evaluate`` and a bare ``torch.no_grad()`` forward, between step 0 and the step of the
-  OOM: the script stays in use) on two gloo ranks;
+  OOM: the script stays in use) or ``"ddp-overlap"`` (DDP in buckets small enough that the last
+  microbatch's backward starts all but the vote's) on two gloo ranks;
 * the phase the OOM strikes in: the device ``"transfer"`` of a microbatch, the ``"cut"`` of a
   padded microbatch (a loader with ``pad_values``), the ``"count"`` of its items (``count_fn``),
   its ``"forward"``, its ``"backward"`` (injected on the first layer, so later layers already
-  hold gradients), the ``"sum"`` of the microbatch losses (``aten.stack``), the gradient norm of
+  hold gradients; under ``"ddp-overlap"`` after the last microbatch's backward started some buckets),
+  ``"bucket"`` (``"ddp-overlap"`` only: in that backward, where it starts the first, middle or
+  last bucket of its schedule), the ``"sum"`` of the microbatch losses (``aten.stack``), the gradient norm of
   the ``"clip"``ping, the optimizer ``"step"``, or (Lightning only) a user ``"hook"``,
   ``on_before_optimizer_step``, which Lightning runs between the two;
 * the microbatch: ``"first"``, ``"middle"`` or ``"last"`` of the attempt (per-microbatch phases);
@@ -62,6 +65,8 @@ from elastic_batches.testing.fault_matrix.cells import (
     MAX_GRAD_NORM,
     MICROBATCH_PHASES,
     OOM_STEP,
+    OVERLAP_BUCKET_BYTES,
+    OVERLAPPED,
     PHASES,
     POSITIONS,
     RECOVERING_PHASES,
@@ -125,6 +130,8 @@ __all__ = [
     "MAX_GRAD_NORM",
     "MICROBATCH_PHASES",
     "OOM_STEP",
+    "OVERLAP_BUCKET_BYTES",
+    "OVERLAPPED",
     "PHASES",
     "POSITIONS",
     "RECOVERING_PHASES",

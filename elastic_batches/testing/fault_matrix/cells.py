@@ -27,6 +27,8 @@ __all__ = [
     "MAX_GRAD_NORM",
     "MICROBATCH_PHASES",
     "OOM_STEP",
+    "OVERLAPPED",
+    "OVERLAP_BUCKET_BYTES",
     "PHASES",
     "POSITIONS",
     "RECOVERING_PHASES",
@@ -65,7 +67,8 @@ WIDTH = 16
 LR = 0.1
 MAX_GRAD_NORM = 0.25  # every cell clips (the reference with torch's clip_grad_norm_)
 RTOL = {  # float32, relative
-    "single": 1e-6, "ddp": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5, "fsdp2-script": 1e-5, "fsdp2-eval": 1e-5,
+    "single": 1e-6, "ddp": 1e-5, "ddp-overlap": 1e-5, "fsdp2": 1e-5, "fsdp2-module": 1e-5, "fsdp2-script": 1e-5,
+    "fsdp2-eval": 1e-5,
 }  # fmt: skip
 ID_TOLERANCE = 1e-4  # |gradient x GLOBAL_ROWS - round(...)| per embedding row
 
@@ -76,11 +79,16 @@ SCRIPTED = "fsdp2-script"
 # The same, with a validation (step.evaluate, then a bare no_grad forward) between step 0 and step OOM_STEP.
 EVALUATED = "fsdp2-eval"
 SCRIPTED_SETTINGS = (SCRIPTED, EVALUATED)
-LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED, EVALUATED), "lightning": SETTINGS}
+# DDP with buckets small enough that the last microbatch's backward starts three of the model's four (the fourth
+# carries the vote); its cells add an OOM in the hook that starts the first, middle or last of those three.
+OVERLAPPED = "ddp-overlap"
+OVERLAP_BUCKET_BYTES = 256
+LOOP_SETTINGS = {"plain": (*SETTINGS, SCRIPTED, EVALUATED, OVERLAPPED), "lightning": SETTINGS}
 GATHER = {"fsdp2-module": "module", SCRIPTED: "module", EVALUATED: "module"}  # gather= per setting; else "auto"
 PHASES = ("transfer", "cut", "count", "forward", "backward", "sum", "clip", "step")
 MICROBATCH_PHASES = ("transfer", "cut", "count", "forward", "backward")  # struck at a chosen microbatch
-RECOVERING_PHASES = (*MICROBATCH_PHASES, "sum")  # between the start of an attempt and the vote
+# "bucket" (OVERLAPPED only): in the last microbatch's backward, starting the first, middle or last scheduled bucket
+RECOVERING_PHASES = (*MICROBATCH_PHASES, "bucket", "sum")  # between the start of an attempt and the vote
 # Lightning moves each batch to the device whole, before the step (no microbatch transfer to strike in);
 # "hook" is an OOM in on_before_optimizer_step, which Lightning runs inside its optimizer step, before clipping.
 LIGHTNING_PHASES = ("cut", "forward", "backward", "hook", "clip", "step")
@@ -122,10 +130,12 @@ class Cell:
 def cells(loop: str, setting: str) -> list[Cell]:
     """The cells of one loop and setting, in table order."""
     rank_variants = ("0",) if setting == "single" else ("0", "1", "both")
-    phases = PHASES if loop == "plain" else LIGHTNING_PHASES
+    phases: tuple[str, ...] = PHASES if loop == "plain" else LIGHTNING_PHASES
+    if setting == OVERLAPPED:
+        phases = (*phases[: phases.index("sum")], "bucket", *phases[phases.index("sum") :])
     out: list[Cell] = []
     for phase in phases:
-        for position in POSITIONS if phase in MICROBATCH_PHASES else (None,):
+        for position in POSITIONS if phase in (*MICROBATCH_PHASES, "bucket") else (None,):
             out.extend(Cell(loop, setting, phase, position, ranks) for ranks in rank_variants)
     return out
 
@@ -288,7 +298,7 @@ def _discarded_by_failing(cell: Cell, count: int) -> int:
     (its cut); ``count_fn`` runs on every microbatch before the first forward; the losses are
     summed after the last one.
     """
-    if cell.phase == "sum":
+    if cell.phase in ("sum", "bucket"):  # the losses are summed after the last microbatch; a bucket starts in it
         return count
     if cell.phase == "count":
         return 0
@@ -310,7 +320,7 @@ def oom_call(cell: Cell, rank: int, rows: int) -> int | None:
     if not cell.recovers or not cell.fires_on(rank):
         return None
     second = cell.ranks == "both" and rank == 1  # strikes in the retry
-    if cell.phase == "sum":  # one sum an attempt
+    if cell.phase in ("sum", "bucket"):  # one sum an attempt; each bucket starts once, in the last microbatch
         return int(second)
     assert cell.position is not None
     first, retry, _ = predicted_counts(rows)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import elastic_batches as eb
+from elastic_batches.distributed import gradient_sync_for
 from elastic_batches.testing import (
     inject_oom,
     inject_oom_in_cut,
@@ -23,6 +24,8 @@ from elastic_batches.testing.fault_matrix.cells import (
     LR,
     MAX_GRAD_NORM,
     OOM_STEP,
+    OVERLAP_BUCKET_BYTES,
+    OVERLAPPED,
     SCRIPTED_SETTINGS,
     SPLIT,
     STEPS,
@@ -76,6 +79,36 @@ class GradNormOOM:
         vars(self.sync).pop("local_grad_sq_norm", None)  # the class's method again
 
 
+class _BucketOOM:
+    """Runs out of memory where the last microbatch's backward starts a chosen bucket of DDP's schedule.
+
+    ``position``: the first, middle or last bucket the backward starts; ``call``: which of the
+    attempts that start it raises (from 0). The buckets before it have started; it and those
+    after it are stood in for at the vote.
+    """
+
+    def __init__(self, step: eb.ElasticStep, position: str, call: int) -> None:
+        schedule = step.sync._schedule  # type: ignore[attr-defined]
+        self.plan = schedule.plan
+        order = schedule.order
+        self.bucket = order[{"first": 0, "middle": len(order) // 2, "last": len(order) - 1}[position]]
+        self.call, self.calls, self.fired = call, 0, 0
+        fill = self.plan.fill
+
+        def fill_or_fail(index: int, parts: Any, scale: float = 1.0) -> torch.Tensor:
+            if index == self.bucket and torch._C._current_graph_task_id() != -1:  # in a backward: its hook
+                number, self.calls = self.calls, self.calls + 1
+                if number == self.call:
+                    self.fired += 1
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected by the fault matrix in a bucket)")
+            return fill(index, parts, scale)
+
+        self.plan.fill = fill_or_fail
+
+    def remove(self) -> None:
+        vars(self.plan).pop("fill", None)  # the class's method again
+
+
 def _arm(cell: Cell, rank: int, rows: int, model: nn.Module, step: eb.ElasticStep, optimizer: Any) -> list[Any]:
     """The injections of step ``OOM_STEP`` on this rank (counted from their creation, just before the step)."""
     if not cell.fires_on(rank):
@@ -94,6 +127,9 @@ def _arm(cell: Cell, rank: int, rows: int, model: nn.Module, step: eb.ElasticSte
         return [_CountOOM(call)]
     if cell.phase == "sum":
         return [inject_oom_in_op(torch.ops.aten.stack, calls=call)]
+    if cell.phase == "bucket":
+        assert cell.position is not None
+        return [_BucketOOM(step, cell.position, call)]
     first_layer = _inner(model).net[0]
     target = model if cell.phase == "forward" else first_layer
     return [inject_oom(target, phase=cell.phase, calls=call)]  # type: ignore[arg-type]
@@ -116,7 +152,7 @@ def _mesh() -> Any:
 def distribute(setting: str, model: IdModel) -> nn.Module:
     if setting == "single":
         return model
-    if setting == "ddp":
+    if setting in ("ddp", OVERLAPPED):
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard  # "fsdp2", "fsdp2-module", "fsdp2-script"
 
@@ -144,6 +180,8 @@ def run_plain_cell(cell: Cell, rank: int = 0, world: int = 1, snapshots: Snapsho
     controller = eb.SplitController(split_count=SPLIT)
     device = "cpu" if cell.phase == "transfer" else None
     step = eb.ElasticStep(model, controller=controller, device=device, gather=GATHER.get(cell.setting, "auto"))
+    if cell.setting == OVERLAPPED:
+        step.sync = gradient_sync_for(model, bucket_bytes=OVERLAP_BUCKET_BYTES)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     def loss_fn(mb: Any) -> torch.Tensor:
