@@ -54,7 +54,7 @@ def texts(tokenizer: Any, rows: int, *, labels: bool, seed: int = 0, longest: in
     Example:
         >>> samples = texts(make_tokenizer(), 3, labels=True)
         >>> sorted(samples[0]), [s["label"] for s in samples]
-        (['attention_mask', 'input_ids', 'label', 'token_type_ids'], [0, 1, 2])
+        (['attention_mask', 'input_ids', 'label'], [0, 1, 2])
     """
     generator = torch.Generator().manual_seed(seed)
     samples = []
