@@ -45,7 +45,7 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     step = eb.ElasticStep(model, backward_fn=accelerator.backward)
 
-    with MemoryBudget(options.budgets[accelerator.process_index]):
+    with MemoryBudget(options.budgets[accelerator.process_index] or None):  # 0: no limit
         for x, y in loader:
             with accelerator.accumulate(model):
                 step.backward((x, y), lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1]))
