@@ -70,16 +70,19 @@ def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start:
     return error / sum(float((want[k] - start[k]).pow(2).sum()) for k in want) ** 0.5
 
 
-def test_hf_trainer_on_two_processes_equals_one_process_at_the_same_global_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulation-2"])
+def test_hf_trainer_on_two_processes_equals_one_process_at_the_same_global_batch(
+    accumulate: int, tmp_path: Path
+) -> None:
     from elastic_batches.testing.hf_models import tiny_gpt2
 
-    script = str(SCRIPTS / "hf_trainer_ddp.py")
-    want = launch(
-        [sys.executable, script, "--out", str(tmp_path / "one.pt"), "--batch", "32", "--budgets", "0"],
-        tmp_path / "one.pt",
-    )
+    script = [str(SCRIPTS / "hf_trainer_ddp.py"), "--accumulate", str(accumulate)]
+    one = tmp_path / "one.pt"
+    want = launch([sys.executable, *script, "--out", str(one), "--batch", "32", "--budgets", "0"], one)
     out = tmp_path / "two.pt"
-    got = launch([*TORCHRUN, script, "--out", str(out), "--batch", "16", "--budgets", "0", "1500000", "--elastic"], out)
+    got = launch(
+        [*TORCHRUN, *script, "--out", str(out), "--batch", "16", "--budgets", "0", "1500000", "--elastic"], out
+    )
     ooms = got["ooms"]
     assert ooms[0] == ooms[1] >= 1  # rank 1 ran out of memory, rank 0 learned of it: both split alike
     start = tiny_gpt2().state_dict()

@@ -3,7 +3,8 @@
 Under ``torchrun --nproc-per-node 2`` (gloo, CPU) HF's Trainer wraps the tiny GPT-2 in DDP
 through Accelerate; each rank trains inside its own ``MemoryBudget`` (``--budgets``, one per
 rank, 0 for none), so rank 1 runs out of memory where rank 0 does not. Run alone, it is the
-single-process reference at the same global batch (``--batch`` rows per process). The sampler
+single-process reference at the same global batch (``--batch`` rows per process, times
+``--accumulate`` batches per optimizer step). The sampler
 is sequential, so that both see the same rows in the same steps. Rank 0 saves the final weights,
 the log history and every rank's controller to ``--out``.
 """
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--budgets", type=int, nargs="+", required=True)
+    parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--elastic", action="store_true")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -37,6 +39,7 @@ def main() -> None:
     args = transformers.TrainingArguments(
         f"{options.out}.run",
         per_device_train_batch_size=options.batch,
+        gradient_accumulation_steps=options.accumulate,
         max_steps=STEPS,
         optim="sgd",
         learning_rate=0.5,
@@ -48,7 +51,7 @@ def main() -> None:
         seed=0,
         train_sampling_strategy="sequential",
     )
-    model, collator, samples = client("gpt2", rows=32 * STEPS)
+    model, collator, samples = client("gpt2", rows=32 * STEPS * options.accumulate)
     cls: Any = Trainer if options.elastic else transformers.Trainer
     trainer = cls(model=model, args=args, train_dataset=samples, data_collator=collator)
     rank = args.process_index
