@@ -7,7 +7,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[lightning,test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[lightning,transformers,test]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -10,6 +10,7 @@ so that iterating the loader costs next to nothing over the loader it wraps.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,8 @@ def _moved(fields: Fields, move: Any, device: torch.device | str | int | None = 
 def _moved_objects(objects: list[Any], device: torch.device | str | int) -> list[Any]:
     if not any(callable(getattr(item, "to", None)) for item in objects):
         return objects  # strings, ids, dicts of metadata: nothing to move
-    return [item.to(device) if callable(getattr(item, "to", None)) else item for item in objects]
+    # a copy is moved: PyG's Data.to moves the object itself, which would leave the user's dataset on the device
+    return [copy.copy(item).to(device) if callable(getattr(item, "to", None)) else item for item in objects]
 
 
 class Microbatch:

@@ -105,7 +105,17 @@ class ElasticCollate:
         if self.collate_fn is not None:
             return self.collate_fn(samples)
         if self.auto_collation:
-            return collate(samples, collate_fn_map=registry.collate_fn_map())
+            try:
+                return collate(samples, collate_fn_map=registry.collate_fn_map())
+            except RuntimeError as err:
+                if "stack expects each tensor to be equal size" not in str(err):
+                    raise
+                raise RuntimeError(
+                    f"MicrobatchingDataLoader: the samples hold tensors of different lengths, which the default "
+                    f"collate cannot stack ({err}). Pad them per microbatch with pad_values={{field: pad value}} "
+                    "(e.g. pad_values={'input_ids': 0, 'labels': -100}), or give a collate_fn that pads, wrapped "
+                    "in elastic_batches.TrimPadding"
+                ) from err
         return default_convert(samples)
 
     def __call__(self, samples: Any) -> ElasticBatch:

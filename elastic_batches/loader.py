@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -218,6 +219,19 @@ class _BatchSampler(StatefulBatchSampler):
 _BUILT_BATCH_SAMPLERS = (BatchSampler, StatefulBatchSampler, _BatchSampler)
 
 
+def _check_arguments(dataloader_kwargs: Mapping[str, Any]) -> None:
+    """Refuse arguments neither ``MicrobatchingDataLoader`` nor ``StatefulDataLoader`` takes, naming the valid ones."""
+    accepted = inspect.signature(StatefulDataLoader.__init__).parameters
+    unknown = sorted(key for key in dataloader_kwargs if key not in accepted)
+    if unknown:
+        own = ["dataset", "batch_size", "controller", "pad_values", "sort_by_length", "shape_buckets"]
+        others = [name for name in accepted if name not in ("self", *own)]
+        raise TypeError(
+            f"MicrobatchingDataLoader got unexpected keyword argument(s) {unknown}; its arguments are {own} and "
+            f"those of StatefulDataLoader / DataLoader: {others}"
+        )
+
+
 class MicrobatchingDataLoader(StatefulDataLoader):
     """A DataLoader that yields :class:`ElasticBatch` objects tagged with the current split count.
 
@@ -294,6 +308,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         shape_buckets: ShapeBuckets | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
+        _check_arguments(dataloader_kwargs)
         if isinstance(dataset, MicrobatchingDataLoader):
             pad_values = dataset.pad_values if pad_values is None else pad_values
             sort_by_length = dataset.sort_by_length if sort_by_length is _UNSET else sort_by_length

@@ -116,3 +116,9 @@ def test_unsplittable_collate_result_names_the_type_and_register_batch_type() ->
 def test_bad_arguments_are_named(call: Any, message: str) -> None:
     with pytest.raises(TypeError, match=message):
         call()
+
+
+def test_variable_length_tensors_without_pad_values_name_the_fix() -> None:
+    loader = eb.MicrobatchingDataLoader([{"ids": torch.ones(2)}, {"ids": torch.ones(3)}], batch_size=2)
+    with pytest.raises(RuntimeError, match=r"different lengths.*pad_values=.*TrimPadding"):
+        next(iter(loader))

@@ -100,3 +100,13 @@ def test_code_blocks_of_the_docs_run(document: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def test_a_printed_number_that_the_comment_misstates_fails_the_page(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text('```python\nx = 5\nprint(x, "a # b")  # 5, and prose\nprint(x + 1)  # 7 rows\n```\n')
+    command = [sys.executable, str(ROOT / "tests" / "scripts" / "run_doc_blocks.py"), str(page)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "page.md[block 0] line 3: the comment shows ['7'], which the call did not print" in result.stderr
+    assert result.stdout.startswith("5 a # b\n6\n")

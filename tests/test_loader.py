@@ -585,3 +585,12 @@ def test_training_through_loader_and_step_matches_the_plain_loop() -> None:
     assert loader.controller.oom_count == 2
     for a, b in zip(plain_model.parameters(), elastic_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_argument_names_the_loader_and_its_valid_arguments() -> None:
+    with pytest.raises(
+        TypeError, match=r"MicrobatchingDataLoader got unexpected keyword argument\(s\) \['bach_size'\]"
+    ):
+        eb.MicrobatchingDataLoader(TensorDataset(torch.zeros(4, 1)), bach_size=2)
+    with pytest.raises(TypeError, match=r"'pad_values'.*'num_workers'"):
+        eb.MicrobatchingDataLoader(TensorDataset(torch.zeros(4, 1)), bach_size=2)

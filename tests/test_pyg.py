@@ -243,3 +243,24 @@ def test_step_device_moves_the_graphs_of_each_microbatch(monkeypatch: pytest.Mon
     batch = next(iter(eb.MicrobatchingDataLoader(_loader(batch_size=6), controller=step.controller)))
     step.backward(batch, model.graph_loss)
     assert moved == ["cpu"] * 6  # each graph once, as its microbatch is moved
+
+
+def test_moving_a_microbatch_leaves_the_users_graphs_where_they_were() -> None:
+    # PyG's Data.to moves the object itself: a moved microbatch must hold copies, or the dataset ends up on the device
+    graphs = _graphs(count=4)
+    batch = eb.ElasticBatch.wrap({"graph": graphs, "y": torch.arange(4.0)})  # Data objects as per-sample values
+    moved = [mb.to("meta") for mb in batch.microbatches(2)]
+    assert [g.x.device.type for mb in moved for g in mb.unwrap()["graph"]] == ["meta"] * 4
+    assert [g.x.device.type for g in graphs] == ["cpu"] * 4
+
+    model = nn.Linear(FEATURES, 1)
+    received: list[Any] = []
+
+    def loss_fn(mb: Any) -> torch.Tensor:
+        received.extend(mb["graph"])
+        return torch.stack([model(g.x).mean() for g in mb["graph"]]).mean()
+
+    eb.ElasticStep(model, controller=eb.SplitController(split_count=2), device="cpu", memory=None).backward(
+        batch, loss_fn
+    )
+    assert len(received) == 4 and not any(got is mine for got, mine in zip(received, graphs, strict=True))
