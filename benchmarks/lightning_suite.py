@@ -1,0 +1,223 @@
+"""Lightning's own tests, run with ``Trainer`` replaced by ``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``.
+
+Lightning's tests are not in this repository and this script fetches nothing: give it a checkout
+of them (the ``tests/`` folder of Lightning-AI/pytorch-lightning at the tag of the installed
+Lightning, e.g. ``git archive 2.6.5 tests | tar -x -C /tmp/pl``), with ``--tests /tmp/pl/tests``
+or ``ELASTIC_BATCHES_LIGHTNING_TESTS``. Variants, one per run:
+
+* ``plain``: Lightning's tests as they are (the reference: only what passes here counts);
+* ``auto``: ``lightning.pytorch.Trainer`` is a subclass of ``elastic_batches.lightning.Trainer``
+  that turns ``accumulate_grad_batches=1`` (or unset) into ``"auto"``; another int stays
+  Lightning's own accumulation;
+* ``split2``: the same, with every stage's controller starting at ``split_count=2``, so that
+  every batch that can be cut runs as two microbatches.
+
+Each run writes one JSON line per test (outcome, the exception's class and first line, and in
+the elastic variants how many batches of each stage ran split) to ``OUT/VARIANT.jsonl``;
+``compare`` reads them and prints the counts, then every test that passes plain but not in a
+variant, grouped by the reason its message gives (JSON lines too)::
+
+    nice -n 10 python benchmarks/lightning_suite.py run --tests /tmp/pl/tests --variant plain --out /tmp/suite
+    nice -n 10 python benchmarks/lightning_suite.py run --tests /tmp/pl/tests --variant auto --out /tmp/suite
+    nice -n 10 python benchmarks/lightning_suite.py run --tests /tmp/pl/tests --variant split2 --out /tmp/suite
+    python benchmarks/lightning_suite.py compare /tmp/suite
+
+Without a checkout (``python -m elastic_batches bench``) it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("plain", "auto", "split2")
+# What the integration touches: Lightning's loops, optimization, logging, flags, checkpoints, hooks, callbacks, core.
+SUITE = (
+    "tests_pytorch/loops",
+    "tests_pytorch/trainer/optimization",
+    "tests_pytorch/trainer/logging_",
+    "tests_pytorch/trainer/flags",
+    "tests_pytorch/checkpointing",
+    "tests_pytorch/models/test_hooks.py",
+    "tests_pytorch/callbacks",
+    "tests_pytorch/core",
+)
+# Checkpoints of past Lightning versions, downloaded by Lightning's CI: absent from a checkout of the tests.
+IGNORED = ("tests_pytorch/checkpointing/test_legacy_checkpoints.py",)
+# (reason, pattern of the failure's message): the first that matches names a failure in ``compare``.
+REASONS = (
+    ("BatchSizeFinder", r"BatchSizeFinder"),
+    ("batch that cannot be cut, at split count 2", r"cannot be split"),
+    ("BatchNorm and a one-row microbatch", r"BatchNorm|min_microbatch_size"),
+    ("timeout", r"Timeout"),
+)
+
+
+def _suite_trainer(variant: str) -> type:
+    """``elastic_batches.lightning.Trainer`` with ``"auto"`` in place of Lightning's default ``accumulate_grad_batches=1``."""
+    from lightning.pytorch.callbacks import Callback
+
+    from elastic_batches import SplitController
+    from elastic_batches.lightning import ElasticAccumulation, Trainer
+    from elastic_batches.lightning.callback import STAGES
+
+    class SuiteTrainer(Trainer):
+        def __init__(self, **kwargs: Any) -> None:
+            accumulate = kwargs.get("accumulate_grad_batches", os.environ.get("PL_TRAINER_ACCUMULATE_GRAD_BATCHES", 1))
+            if str(accumulate) == "1":
+                kwargs["accumulate_grad_batches"] = "auto"
+                callbacks = kwargs.get("callbacks")
+                listed = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+                if variant == "split2" and not any(isinstance(c, ElasticAccumulation) for c in listed):
+                    controllers = {stage: SplitController(split_count=2) for stage in STAGES}
+                    kwargs["callbacks"] = [*listed, ElasticAccumulation(controllers=controllers)]
+            super().__init__(**kwargs)
+
+    SuiteTrainer.__init__.__signature__ = Trainer.__init__.__signature__  # type: ignore[attr-defined]
+    SuiteTrainer.__name__ = SuiteTrainer.__qualname__ = "Trainer"
+    return SuiteTrainer
+
+
+class SuitePlugin:
+    """A pytest plugin: one JSON line per test, with the split batches of each stage counted."""
+
+    def __init__(self, variant: str, out: Path) -> None:
+        self.variant = variant
+        self.file = out.open("w")
+        self.splits: Counter[str] = Counter()
+        self.results: dict[str, dict[str, Any]] = {}
+        if variant != "plain":
+            self._patch()
+
+    def _patch(self) -> None:
+        import lightning.pytorch as pl
+        import lightning.pytorch.trainer as pl_trainer
+
+        from elastic_batches.lightning._stages import Stages
+
+        trainer = _suite_trainer(self.variant)
+        pl.Trainer = pl_trainer.Trainer = trainer  # what ``from lightning.pytorch import Trainer`` imports
+        report = Stages.report
+        splits = self.splits
+
+        def counting_report(stages: Stages, stage: str, count: int, size: int) -> None:
+            if count > 1:
+                splits[stage] += 1
+            report(stages, stage, count, size)
+
+        Stages.report = counting_report  # type: ignore[method-assign]
+
+    def pytest_runtest_setup(self, item: Any) -> None:
+        self.splits.clear()
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        entry = self.results.setdefault(report.nodeid, {"test": report.nodeid, "outcome": "passed"})
+        if report.when == "call" and hasattr(report, "wasxfail"):
+            entry["outcome"] = "xfailed" if report.skipped else "xpassed"
+        elif report.skipped and entry["outcome"] == "passed":
+            entry["outcome"] = "skipped"
+        elif report.failed:
+            entry["outcome"] = "failed" if report.when == "call" else "error"
+            crash = getattr(report.longrepr, "reprcrash", None)
+            entry["error"] = (crash.message if crash is not None else str(report.longrepr)).splitlines()[0][:400]
+        if report.when == "teardown":
+            entry["splits"] = dict(self.splits)
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+
+    def pytest_unconfigure(self, config: Any) -> None:
+        self.file.close()
+
+
+def _run(args: argparse.Namespace) -> int:
+    import pytest
+
+    tests = Path(args.tests).resolve()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plugin = SuitePlugin(args.variant, out / f"{args.variant}.jsonl")
+    os.chdir(tests)
+    pytest_args = ["-q", "-p", "no:cacheprovider", f"--timeout={args.timeout}", "-o", "addopts="]
+    pytest_args += [f"--ignore={path}" for path in IGNORED]
+    pytest_args += list(args.paths or SUITE) + list(args.pytest_args)
+    return int(pytest.main(pytest_args, plugins=[plugin]))
+
+
+def _load(path: Path) -> dict[str, dict[str, Any]]:
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {entry["test"]: entry for entry in entries}
+
+
+def _reason(error: str) -> str:
+    for reason, pattern in REASONS:
+        if re.search(pattern, error):
+            return reason
+    return error.split(":")[0] or "unknown"
+
+
+def _compare(args: argparse.Namespace) -> int:
+    folder = Path(args.out)
+    runs = {variant: _load(folder / f"{variant}.jsonl") for variant in VARIANTS if (folder / f"{variant}.jsonl").exists()}
+    if "plain" not in runs:
+        print(f"lightning_suite compare: no plain.jsonl in {folder}: run the plain variant first", file=sys.stderr)
+        return 2
+    passing = {test for test, entry in runs["plain"].items() if entry["outcome"] == "passed"}
+    print(f"{'variant':8} {'tests':>6} {'passed':>7} {'of plain passing':>17} {'failed':>7} {'split batches':>40}")
+    for variant, results in runs.items():
+        outcomes = Counter(entry["outcome"] for entry in results.values())
+        kept = sum(1 for test in passing if results.get(test, {}).get("outcome") == "passed")
+        splits: Counter[str] = Counter()
+        for entry in results.values():
+            splits.update(entry.get("splits", {}))
+        split_text = ", ".join(f"{stage} {n}" for stage, n in sorted(splits.items())) or "-"
+        failed = outcomes["failed"] + outcomes["error"]
+        print(f"{variant:8} {len(results):>6} {outcomes['passed']:>7} {kept:>17} {failed:>7} {split_text:>40}")
+        print(json.dumps({"variant": variant, "tests": len(results), **outcomes, "plain_passing_kept": kept}))
+    for variant, results in runs.items():
+        if variant == "plain":
+            continue
+        lost = sorted(test for test in passing if results.get(test, {}).get("outcome") != "passed")
+        by_reason: dict[str, list[str]] = {}
+        for test in lost:
+            entry = results.get(test, {"outcome": "not run", "error": "not run"})
+            by_reason.setdefault(_reason(entry.get("error", entry["outcome"])), []).append(test)
+        print(f"\n{variant}: {len(lost)} of the {len(passing)} tests that pass plain do not pass")
+        for reason, tests in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+            print(f"  {len(tests):4}  {reason}")
+            for test in tests:
+                print(f"          {test}: {results.get(test, {}).get('error', '')[:160]}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command")
+    run = commands.add_parser("run", help="run one variant of Lightning's tests")
+    run.add_argument("--tests", default=os.environ.get("ELASTIC_BATCHES_LIGHTNING_TESTS"), help="Lightning's tests/")
+    run.add_argument("--variant", choices=VARIANTS, required=True)
+    run.add_argument("--out", required=True, help="folder of the JSON lines, one file per variant")
+    run.add_argument("--timeout", type=int, default=180, help="seconds per test (pytest-timeout)")
+    run.add_argument("paths", nargs="*", help=f"test paths under --tests (default: {' '.join(SUITE)})")
+    run.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[], help="passed on to pytest")
+    compare = commands.add_parser("compare", help="counts and the failures of each variant by reason")
+    compare.add_argument("out", help="the folder of the runs")
+    args = parser.parse_args(argv)
+    if args.command == "compare":
+        return _compare(args)
+    if args.command == "run" and args.tests:
+        return _run(args)
+    print(
+        "lightning_suite: no checkout of Lightning's tests given (run --tests PATH, or set "
+        "ELASTIC_BATCHES_LIGHTNING_TESTS); nothing to run"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
