@@ -1,4 +1,4 @@
-"""Lightning's own tests, run with ``Trainer`` replaced by ``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``.
+"""Lightning's own tests, with ``Trainer`` replaced by ``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``.
 
 Lightning's tests are not in this repository and this script fetches nothing: give it a checkout
 of them (the ``tests/`` folder of Lightning-AI/pytorch-lightning at the tag of the installed
@@ -60,7 +60,7 @@ REASONS = (
 
 
 def _suite_trainer(variant: str) -> type:
-    """``elastic_batches.lightning.Trainer`` with ``"auto"`` in place of Lightning's default ``accumulate_grad_batches=1``."""
+    """``elastic_batches.lightning.Trainer`` with ``"auto"`` in place of ``accumulate_grad_batches=1`` (the default)."""
     from lightning.pytorch.callbacks import Callback
 
     from elastic_batches import SplitController
@@ -163,7 +163,8 @@ def _reason(error: str) -> str:
 
 def _compare(args: argparse.Namespace) -> int:
     folder = Path(args.out)
-    runs = {variant: _load(folder / f"{variant}.jsonl") for variant in VARIANTS if (folder / f"{variant}.jsonl").exists()}
+    files = {variant: folder / f"{variant}.jsonl" for variant in VARIANTS}
+    runs = {variant: _load(path) for variant, path in files.items() if path.exists()}
     if "plain" not in runs:
         print(f"lightning_suite compare: no plain.jsonl in {folder}: run the plain variant first", file=sys.stderr)
         return 2
