@@ -1,4 +1,4 @@
-"""Lightning's own tests, with ``Trainer`` replaced by ``elastic_batches.lightning.Trainer(accumulate_grad_batches="auto")``.
+"""Lightning's own tests, with ``Trainer`` replaced by ``Trainer(accumulate_grad_batches="auto")`` of this package.
 
 Lightning's tests are not in this repository and this script fetches nothing: give it a checkout
 of them (the ``tests/`` folder of Lightning-AI/pytorch-lightning at the tag of the installed
