@@ -257,11 +257,14 @@ def _ddp(out: Path) -> None:
 def _ddp_spawn(out: Path) -> None:
     from _lightning_models import Regression, loader, parameters_of, quiet_trainer_kwargs
 
-    from elastic_batches.lightning import Trainer
+    from elastic_batches.lightning import ElasticAccumulation, Trainer
 
     model = Regression(oom={"phase": "backward", "calls": [0], "rank": 1})
+    elastic = ElasticAccumulation(log_metrics=True)  # the elastic/* metrics come back with callback_metrics
     trainer = Trainer(
-        **quiet_trainer_kwargs(accumulate_grad_batches="auto", strategy="ddp_spawn", devices=2, log_every_n_steps=1)
+        **quiet_trainer_kwargs(
+            accumulate_grad_batches="auto", strategy="ddp_spawn", devices=2, log_every_n_steps=1, callbacks=[elastic]
+        )
     )
     trainer.fit(model, loader(5))
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
@@ -278,7 +281,8 @@ def _ddp_spawn_padded(out: Path) -> None:
     runs = {}
     for cut_oom in (False, True):
         elastic = ElasticAccumulation(
-            controllers={"train": eb.SplitController(split_count=2), "validate": eb.SplitController(split_count=2)}
+            controllers={"train": eb.SplitController(split_count=2), "validate": eb.SplitController(split_count=2)},
+            log_metrics=True,
         )
 
         def padded(stage: str, elastic: ElasticAccumulation = elastic) -> eb.MicrobatchingDataLoader:
