@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,14 @@ def test_ddp_manual_optimization_recovers_a_rank_one_oom_and_equals_plain_ddp(
     for result in ddp_results:
         _same(result["manual"]["params"], result["manual_plain"]["params"])
         assert result["manual"]["controller"]["retry_count"] == 1
+
+
+def test_ddp_manual_optimization_without_the_mixin_runs_as_plain_ddp_on_every_rank_warning_on_rank_zero(
+    ddp_results: list[dict[str, Any]],
+) -> None:
+    for result in ddp_results:
+        _same(result["manual_unmixed"]["params"], result["manual_plain"]["params"])
+    assert [result["manual_unmixed"]["warnings"] for result in ddp_results] == [1, 0]
 
 
 def test_fsdp2_through_model_parallel_strategy_recovers_a_rank_one_oom_and_equals_plain_fsdp2(
@@ -233,6 +242,15 @@ def _ddp(out: Path) -> None:
     manual_model = ElasticManual(oom={"phase": "backward", "calls": [0], "rank": 1})
     manual = Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", **ddp))
     manual.fit(manual_model, loader(5))
+    # manual optimization without ElasticModule: runs on every rank as under the plain DDP Trainer
+    unmixed = Manual()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", **ddp)).fit(unmixed, loader(5))
+    result["manual_unmixed"] = {
+        "params": parameters_of(unmixed),
+        "warnings": sum("uses manual optimization" in str(w.message) for w in caught),
+    }
     result["manual_plain"] = {"params": parameters_of(manual_plain)}
     result["manual"] = {
         "params": parameters_of(manual_model),

@@ -198,7 +198,7 @@ class ElasticAccumulation(Callback):
                 "strategy=ModelParallelStrategy() and torch.distributed.fsdp.fully_shard in configure_model "
                 "(also on the LightningModule itself)"
             )
-        if not pl_module.automatic_optimization and not isinstance(pl_module, ElasticModule):
+        if stage == "fit" and not pl_module.automatic_optimization and not isinstance(pl_module, ElasticModule):
             self.elastic_stages.unsplit.manual_optimization(type(pl_module).__name__)
         if self.accumulate_grad_batches is not None:
             trainer.accumulate_grad_batches = self.accumulate_grad_batches
@@ -251,9 +251,8 @@ class ElasticAccumulation(Callback):
     def _report(self, stage: str, count: int, size: int) -> None:
         """A batch of ``stage`` ran as ``count`` microbatches of at most ``size`` rows: metrics and a change's line."""
         controller = self.controllers[stage]
-        if stage == "train":
-            if self._installed is not None:
-                self._postfix.show(self._installed[0], count)
+        if stage == "train" and self._installed is not None:
+            self._postfix.show(self._installed[0], count)
         if stage == "train" and self.log_metrics:
             self._train_metrics = {
                 "elastic/split_count": float(count),
