@@ -117,7 +117,8 @@ class SuitePlugin:
         self.splits.clear()
 
     def pytest_runtest_logreport(self, report: Any) -> None:
-        entry = self.results.setdefault(report.nodeid, {"test": report.nodeid, "outcome": "passed"})
+        entry = self.results.setdefault(report.nodeid, {"test": report.nodeid, "outcome": "passed", "seconds": 0.0})
+        entry["seconds"] = round(entry["seconds"] + report.duration, 3)
         if report.when == "call" and hasattr(report, "wasxfail"):
             entry["outcome"] = "xfailed" if report.skipped else "xpassed"
         elif report.skipped and entry["outcome"] == "passed":
