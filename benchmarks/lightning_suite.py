@@ -28,6 +28,7 @@ Without a checkout (``python -m elastic_batches bench``) it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -84,11 +85,20 @@ def _suite_trainer(variant: str) -> type:
     return SuiteTrainer
 
 
-class SuitePlugin:
-    """A pytest plugin: one JSON line per test, with the split batches of each stage counted."""
+_STARTS_PROCESSES = re.compile(r"ddp|spawn|devices=2|num_devices|num_processes|world_size")
 
-    def __init__(self, variant: str, out: Path) -> None:
+
+class SuitePlugin:
+    """A pytest plugin: one JSON line per test, with the split batches of each stage counted.
+
+    With ``no_spawn``, the tests whose source names a multi-process run (``ddp``, ``spawn``,
+    ``devices=2``...) are deselected: each starts processes, which on a small shared machine
+    takes a minute or more per test.
+    """
+
+    def __init__(self, variant: str, out: Path, *, no_spawn: bool = False) -> None:
         self.variant = variant
+        self.no_spawn = no_spawn
         self.file = out.open("w")
         self.splits: Counter[str] = Counter()
         self.results: dict[str, dict[str, Any]] = {}
@@ -112,6 +122,20 @@ class SuitePlugin:
             report(stages, stage, count, size)
 
         Stages.report = counting_report  # type: ignore[method-assign]
+
+    def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
+        if not self.no_spawn:
+            return
+        kept, dropped = [], []
+        for item in items:
+            try:
+                source = inspect.getsource(item.function)
+            except (OSError, TypeError, AttributeError):
+                source = ""
+            (dropped if _STARTS_PROCESSES.search(source + item.nodeid) else kept).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
 
     def pytest_runtest_setup(self, item: Any) -> None:
         self.splits.clear()
@@ -142,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     tests = Path(args.tests).resolve()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plugin = SuitePlugin(args.variant, out / f"{args.variant}.jsonl")
+    plugin = SuitePlugin(args.variant, out / f"{args.variant}{args.tag}.jsonl", no_spawn=args.no_spawn)
     os.chdir(tests)
     pytest_args = ["-q", "-p", "no:cacheprovider", f"--timeout={args.timeout}", "-o", "addopts="]
     pytest_args += [f"--ignore={path}" for path in IGNORED]
@@ -150,8 +174,10 @@ def _run(args: argparse.Namespace) -> int:
     return int(pytest.main(pytest_args, plugins=[plugin]))
 
 
-def _load(path: Path) -> dict[str, dict[str, Any]]:
-    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _load(folder: Path, variant: str) -> dict[str, dict[str, Any]]:
+    """The results of ``variant``: ``VARIANT.jsonl`` and its parts ``VARIANT.TAG.jsonl``, later lines winning."""
+    paths = sorted(folder.glob(f"{variant}.jsonl")) + sorted(folder.glob(f"{variant}.*.jsonl"))
+    entries = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
     return {entry["test"]: entry for entry in entries}
 
 
@@ -164,12 +190,15 @@ def _reason(error: str) -> str:
 
 def _compare(args: argparse.Namespace) -> int:
     folder = Path(args.out)
-    files = {variant: folder / f"{variant}.jsonl" for variant in VARIANTS}
-    runs = {variant: _load(path) for variant, path in files.items() if path.exists()}
+    runs = {variant: results for variant in VARIANTS if (results := _load(folder, variant))}
     if "plain" not in runs:
         print(f"lightning_suite compare: no plain.jsonl in {folder}: run the plain variant first", file=sys.stderr)
         return 2
     passing = {test for test, entry in runs["plain"].items() if entry["outcome"] == "passed"}
+    ran_everywhere = set.intersection(*(set(results) for results in runs.values()))
+    if passing - ran_everywhere:
+        print(f"{len(passing - ran_everywhere)} tests that pass plain did not run in every variant: left out")
+        passing &= ran_everywhere
     print(f"{'variant':8} {'tests':>6} {'passed':>7} {'of plain passing':>17} {'failed':>7} {'split batches':>40}")
     for variant, results in runs.items():
         outcomes = Counter(entry["outcome"] for entry in results.values())
@@ -205,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--variant", choices=VARIANTS, required=True)
     run.add_argument("--out", required=True, help="folder of the JSON lines, one file per variant")
     run.add_argument("--timeout", type=int, default=180, help="seconds per test (pytest-timeout)")
+    run.add_argument("--tag", default="", help="a part of a run: writes VARIANT.TAG.jsonl (e.g. --tag .rest)")
+    run.add_argument("--no-spawn", action="store_true", help="deselect the tests that start processes (ddp, spawn)")
     run.add_argument("paths", nargs="*", help=f"test paths under --tests (default: {' '.join(SUITE)})")
     run.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[], help="passed on to pytest")
     compare = commands.add_parser("compare", help="counts and the failures of each variant by reason")
