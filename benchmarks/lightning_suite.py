@@ -181,15 +181,30 @@ def _load(folder: Path, variant: str) -> dict[str, dict[str, Any]]:
     return {entry["test"]: entry for entry in entries}
 
 
-def _reason(error: str) -> str:
+def _source(tests: Path | None, test: str) -> str:
+    """The text of ``test``'s function in the checkout (``""`` without one): from its ``def`` to the next one."""
+    if tests is None:
+        return ""
+    path, _, name = test.partition("::")
+    name = re.split(r"[\[:]", name)[-1] if "::" in name else name.split("[")[0]
+    try:
+        text = (tests / path).read_text()
+    except OSError:
+        return ""
+    found = re.search(rf"^\s*def {re.escape(name)}\(.*?(?=^\s*def |\Z)", text, re.S | re.M)
+    return found.group(0) if found else ""
+
+
+def _reason(error: str, source: str) -> str:
     for reason, pattern in REASONS:
-        if re.search(pattern, error):
+        if re.search(pattern, error) or (reason == "BatchSizeFinder" and re.search(r"scale_batch_size", source)):
             return reason
     return error.split(":")[0] or "unknown"
 
 
 def _compare(args: argparse.Namespace) -> int:
     folder = Path(args.out)
+    tests = Path(args.tests) if args.tests else None
     runs = {variant: results for variant in VARIANTS if (results := _load(folder, variant))}
     if "plain" not in runs:
         print(f"lightning_suite compare: no plain.jsonl in {folder}: run the plain variant first", file=sys.stderr)
@@ -217,7 +232,8 @@ def _compare(args: argparse.Namespace) -> int:
         by_reason: dict[str, list[str]] = {}
         for test in lost:
             entry = results.get(test, {"outcome": "not run", "error": "not run"})
-            by_reason.setdefault(_reason(entry.get("error", entry["outcome"])), []).append(test)
+            reason = _reason(entry.get("error", entry["outcome"]), _source(tests, test))
+            by_reason.setdefault(reason, []).append(test)
         print(f"\n{variant}: {len(lost)} of the {len(passing)} tests that pass plain do not pass")
         for reason, tests in sorted(by_reason.items(), key=lambda item: -len(item[1])):
             print(f"  {len(tests):4}  {reason}")
@@ -240,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[], help="passed on to pytest")
     compare = commands.add_parser("compare", help="counts and the failures of each variant by reason")
     compare.add_argument("out", help="the folder of the runs")
+    compare.add_argument("--tests", default=os.environ.get("ELASTIC_BATCHES_LIGHTNING_TESTS"), help="to read sources")
     args = parser.parse_args(argv)
     if args.command == "compare":
         return _compare(args)
