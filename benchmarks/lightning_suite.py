@@ -51,12 +51,12 @@ SUITE = (
 )
 # Checkpoints of past Lightning versions, downloaded by Lightning's CI: absent from a checkout of the tests.
 IGNORED = ("tests_pytorch/checkpointing/test_legacy_checkpoints.py",)
-# (reason, pattern of the failure's message): the first that matches names a failure in ``compare``.
+# (reason, pattern of the failure's message, pattern of the test's source): the first that matches names a failure.
 REASONS = (
-    ("BatchSizeFinder", r"BatchSizeFinder"),
-    ("batch that cannot be cut, at split count 2", r"cannot be split"),
-    ("BatchNorm and a one-row microbatch", r"BatchNorm|min_microbatch_size"),
-    ("timeout", r"Timeout"),
+    ("BatchSizeFinder", r"BatchSizeFinder", r"BatchSizeFinder|scale_batch_size"),
+    ("BatchNorm and a one-row microbatch", r"BatchNorm|min_microbatch_size", None),
+    ("a step that records the batches it receives (sees microbatches)", None, r"\.append\(batch\b"),
+    ("timeout", r"Timeout", None),
 )
 
 
@@ -184,7 +184,7 @@ def _load(folder: Path, variant: str) -> dict[str, dict[str, Any]]:
 
 
 def _source(tests: Path | None, test: str) -> str:
-    """The text of ``test``'s function in the checkout (``""`` without one): from its ``def`` to the next one."""
+    """The text of ``test``'s (top-level) function in the checkout, nested functions included; ``""`` without one."""
     if tests is None:
         return ""
     path, _, name = test.partition("::")
@@ -193,13 +193,13 @@ def _source(tests: Path | None, test: str) -> str:
         text = (tests / path).read_text()
     except OSError:
         return ""
-    found = re.search(rf"^\s*def {re.escape(name)}\(.*?(?=^\s*def |\Z)", text, re.S | re.M)
+    found = re.search(rf"^def {re.escape(name)}\(.*?(?=^(?:def |class |@)|\Z)", text, re.S | re.M)  # to the next top-level one
     return found.group(0) if found else ""
 
 
 def _reason(error: str, source: str) -> str:
-    for reason, pattern in REASONS:
-        if re.search(pattern, error) or (reason == "BatchSizeFinder" and re.search(r"scale_batch_size", source)):
+    for reason, in_error, in_source in REASONS:
+        if (in_error and re.search(in_error, error)) or (in_source and re.search(in_source, source)):
             return reason
     return error.split(":")[0] or "unknown"
 
