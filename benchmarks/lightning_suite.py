@@ -193,7 +193,8 @@ def _source(tests: Path | None, test: str) -> str:
         text = (tests / path).read_text()
     except OSError:
         return ""
-    found = re.search(rf"^def {re.escape(name)}\(.*?(?=^(?:def |class |@)|\Z)", text, re.S | re.M)  # to the next top-level one
+    # from its def to the next top-level def, class or decorator
+    found = re.search(rf"^def {re.escape(name)}\(.*?(?=^(?:def |class |@)|\Z)", text, re.S | re.M)
     return found.group(0) if found else ""
 
 
