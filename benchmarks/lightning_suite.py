@@ -238,9 +238,9 @@ def _compare(args: argparse.Namespace) -> int:
             reason = _reason(entry.get("error", entry["outcome"]), _source(tests, test))
             by_reason.setdefault(reason, []).append(test)
         print(f"\n{variant}: {len(lost)} of the {len(passing)} tests that pass plain do not pass")
-        for reason, tests in sorted(by_reason.items(), key=lambda item: -len(item[1])):
-            print(f"  {len(tests):4}  {reason}")
-            for test in tests:
+        for reason, named in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+            print(f"  {len(named):4}  {reason}")
+            for test in named:
                 print(f"          {test}: {results.get(test, {}).get('error', '')[:160]}")
     return 0
 
