@@ -6,6 +6,7 @@ weights exactly equal (rtol=0: nothing is split, the same operations run), logge
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import lightning.pytorch as pl
@@ -150,7 +151,7 @@ def test_the_split_count_leads_the_progress_bar_text_on_every_step_and_is_no_met
     assert all("split" not in metrics for metrics in bar.metrics)
 
 
-def test_the_rich_progress_bar_shows_the_split_count_first() -> None:
+def test_the_rich_progress_bar_shows_the_split_count_first_and_stays_picklable() -> None:
     bar = RichProgressBar()
     model = Regression(oom={"phase": "backward", "calls": [0]})
     Trainer(**quiet_trainer_kwargs(enable_progress_bar=True, callbacks=[bar], max_epochs=1, **AUTO)).fit(
@@ -159,3 +160,4 @@ def test_the_rich_progress_bar_shows_the_split_count_first() -> None:
     assert bar._metric_component is not None
     assert list(bar._metric_component._metrics)[0] == "split" and bar._metric_component._metrics["split"] == "2"
     assert "split" not in bar.get_metrics(bar.trainer, model)
+    assert pickle.loads(pickle.dumps(bar))._metric_component._metrics["split"] == "2"  # as Lightning pickles it

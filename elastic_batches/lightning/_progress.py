@@ -54,24 +54,26 @@ class SplitPostfix:
 
     def wrap_tqdm(self, bar: Any) -> None:
         """Let ``bar.set_postfix`` put the split count first (once per bar)."""
-        if "_elastic_postfix" in bar.__dict__:
-            return
-        original = bar.set_postfix
-
-        def set_postfix(ordered_dict: Any = None, refresh: bool = True, **kwargs: Any) -> None:
-            original(self._ahead(ordered_dict), refresh, **kwargs)
-
-        bar.__dict__["set_postfix"] = set_postfix
-        bar.__dict__["_elastic_postfix"] = True
+        if not isinstance(bar.__dict__.get("set_postfix"), _LeadingSplit):
+            bar.__dict__["set_postfix"] = _LeadingSplit(self, bar, "set_postfix")
 
     def wrap_rich(self, column: Any) -> None:
         """Let the Rich bar's metrics column put the split count first (once per column)."""
-        if "_elastic_postfix" in column.__dict__:
-            return
-        original = column.update
+        if not isinstance(column.__dict__.get("update"), _LeadingSplit):
+            column.__dict__["update"] = _LeadingSplit(self, column, "update")
 
-        def update(metrics: dict[Any, Any]) -> None:
-            original(dict(self._ahead(metrics)))
 
-        column.__dict__["update"] = update
-        column.__dict__["_elastic_postfix"] = True
+class _LeadingSplit:
+    """``target.<method>(metrics, ...)`` of the target's class, with the split count first in ``metrics``.
+
+    An object, not a closure: the progress bar (and the trainer holding it) stays picklable.
+    """
+
+    def __init__(self, postfix: SplitPostfix, target: Any, method: str) -> None:
+        self.postfix, self.target, self.method = postfix, target, method
+
+    def __call__(self, metrics: Any = None, *args: Any, **kwargs: Any) -> Any:
+        ahead = self.postfix._ahead(metrics)
+        if self.method == "update":  # the Rich column keeps a plain dict
+            ahead = dict(ahead)
+        return getattr(type(self.target), self.method)(self.target, ahead, *args, **kwargs)
