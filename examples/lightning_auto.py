@@ -8,7 +8,7 @@ What it shows:
   not on the whole batch: the first batch runs out of memory, is split, and retried; every
   later batch runs as microbatches from the start;
 - gradient clipping, an lr scheduler, validation and ``self.log`` work as in any Trainer, and
-  the controllers' state is logged (``elastic/split_count``...);
+  the split count shows in the progress bar (``split=4``) and in a console line when it changes;
 - the trained weights match those of the plain ``lightning.pytorch.Trainer`` given all the
   memory it needs (printed: the largest relative difference).
 

@@ -222,11 +222,12 @@ _CHANGE = (
 )
 
 
-def test_elastic_metrics_are_logged_and_each_change_is_an_info_line(caplog: pytest.LogCaptureFixture) -> None:
+def test_log_metrics_logs_the_elastic_metrics_and_each_change_is_an_info_line(caplog: pytest.LogCaptureFixture) -> None:
     recording = RecordingLogger()
     model = Regression(oom={"phase": "backward", "calls": [0]})
+    elastic = ElasticAccumulation(log_metrics=True)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        trainer = fit(Trainer, model, loader(10), logger=recording, log_every_n_steps=1, **AUTO)
+        trainer = fit(Trainer, model, loader(10), logger=recording, log_every_n_steps=1, callbacks=[elastic], **AUTO)
     assert recording.values("elastic/split_count") == [2.0] * 8
     assert recording.values("elastic/microbatch_size") == [5.0] * 8
     assert recording.values("elastic/oom_retries") == [1.0] * 8
@@ -304,7 +305,9 @@ def test_model_checkpoint_and_early_stopping_behave_as_in_the_plain_trainer(tmp_
     )
 
 
-def test_resume_from_a_checkpoint_keeps_the_learned_split_count(tmp_path: Any) -> None:
+def test_resume_from_a_checkpoint_keeps_the_learned_split_count_and_says_it_was_restored(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     reference = Regression()
     fit(pl.Trainer, reference, loader(20), max_epochs=4)
 
@@ -318,8 +321,13 @@ def test_resume_from_a_checkpoint_keeps_the_learned_split_count(tmp_path: Any) -
 
     resumed = Regression()
     again = Trainer(**quiet_trainer_kwargs(max_epochs=4, **AUTO))
-    with MemoryBudget(limit_bytes=budget) as memory:
+    caplog.clear()
+    with MemoryBudget(limit_bytes=budget) as memory, caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         again.fit(resumed, loader(20), ckpt_path=tmp_path / "half.ckpt")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("elastic_batches:")]
+    restored = f"elastic_batches: train split count {learned.split_count}, restored from the checkpoint ("
+    assert len(lines) == 1 and lines[0].startswith(restored), lines  # no "1 -> 2" line, which reads as a new OOM
+    assert lines[0].endswith(f"; {learned.retry_count} OOM retries before it)")
     controller = again.elastic.controllers["train"]
     assert controller.split_count == learned.split_count
     assert (controller.oom_count, memory.oom_count) == (learned.oom_count, 0)  # no OOM descent after resume
@@ -408,12 +416,6 @@ def test_fsdp1_is_refused_with_the_fsdp2_way_to_go() -> None:
     trainer = SimpleNamespace(callbacks=[elastic], strategy=FSDPStrategy())  # FSDPStrategy needs a GPU to run
     with pytest.raises(ValueError, match="does not support FSDPStrategy.*ModelParallelStrategy"):
         elastic.setup(trainer, Regression(), "fit")  # type: ignore[arg-type]
-
-
-def test_manual_optimization_needs_the_module_mixin() -> None:
-    trainer = Trainer(**quiet_trainer_kwargs(**AUTO))
-    with pytest.raises(ValueError, match="uses manual optimization.*ElasticModule"):
-        trainer.fit(Manual(), loader(10))
 
 
 def test_manual_optimization_with_elastic_backward_equals_the_plain_manual_run() -> None:
@@ -610,15 +612,3 @@ def test_example_lightning_auto_splits_under_its_memory_budget_and_matches_the_p
     assert summary["split_count"] > 1 and summary["oom_retries"] >= 1
     assert summary["peak_bytes"] <= summary["limit_bytes"]
     assert summary["max_relative_difference"] < 1e-5
-
-
-class _IteratorStep(Regression):
-    def training_step(self, dataloader_iter: Any) -> torch.Tensor:
-        batch, _, _ = next(dataloader_iter)
-        return super().training_step(batch, 0)
-
-
-def test_a_training_step_taking_the_dataloader_iterator_is_a_clear_error() -> None:
-    trainer = Trainer(**quiet_trainer_kwargs(**AUTO))
-    with pytest.raises(ValueError, match="takes a dataloader_iter"):
-        trainer.fit(_IteratorStep(), loader(10))

@@ -293,21 +293,39 @@ def test_batches_that_cannot_be_cut_run_whole_at_split_one_in_every_stage(kind: 
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("stage", ["fit", "validate", "predict"])
-def test_a_split_that_is_needed_refuses_a_batch_that_cannot_be_cut_naming_register_batch_type(stage: str) -> None:
-    trainer = _auto(2)(**quiet_trainer_kwargs())
-    run = {"fit": trainer.fit, "validate": trainer.validate, "predict": trainer.predict}[stage]
-    refused = r"split count is 2, but a batch of type int cannot be split.*register_batch_type"
-    with pytest.raises(TypeError, match=refused):
-        run(_IndexedBatches(), _indexed("int"))
+_UNSPLIT = (
+    r"a batch of type int that cannot be split .*run whole, as under Lightning's Trainer.*register_batch_type\(int"
+)
 
 
-def test_an_oom_in_a_whole_batch_that_cannot_be_cut_names_register_batch_type() -> None:
-    model = _IndexedBatches(oom={"phase": "forward", "calls": [0]})
-    trainer = _auto()(**quiet_trainer_kwargs())
-    with pytest.raises(TypeError, match=r"ran out of memory on the whole batch.*register_batch_type") as caught:
+def _whole(trainer: pl.Trainer, stage: str, model: pl.LightningModule) -> Any:
+    if stage == "fit":
         trainer.fit(model, _indexed("int"))
-    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+        return parameters_of(model)
+    if stage == "validate":
+        return trainer.validate(model, _indexed("int"), verbose=False)
+    return trainer.predict(model, _indexed("int"))
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "predict"])
+def test_a_batch_that_cannot_be_cut_runs_whole_at_split_two_with_one_warning_naming_register_batch_type(
+    stage: str,
+) -> None:
+    want = _whole(pl.Trainer(**quiet_trainer_kwargs()), stage, _IndexedBatches())
+    with pytest.warns(UserWarning, match=_UNSPLIT) as caught:
+        got = _whole(_auto(2)(**quiet_trainer_kwargs()), stage, _IndexedBatches())
+    assert len([w for w in caught if "cannot be split" in str(w.message)]) == 1  # 8 (4) batches, one warning
+    if stage == "validate":
+        assert got == want
+    else:
+        assert_same_parameters(got, want, rtol=0, atol=0)
+
+
+def test_an_oom_in_a_whole_batch_that_cannot_be_cut_is_lightnings_own_and_not_retried() -> None:
+    trainer = _auto()(**quiet_trainer_kwargs())
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        trainer.fit(_IndexedBatches(oom={"phase": "forward", "calls": [0]}), _indexed("int"))
+    assert trainer.elastic.controllers["train"].retry_count == 0
 
 
 # -- self.log: Lightning's checks at the call -----------------------------------------------------
@@ -404,8 +422,11 @@ def test_checkpoints_resume_both_ways_as_an_uninterrupted_run(tmp_path: Path, wa
 def test_the_trainer_has_lightnings_signature_with_auto_accepted() -> None:
     ours, lightnings = inspect.signature(Trainer).parameters, inspect.signature(pl.Trainer).parameters
     assert list(ours) == list(lightnings)
-    assert all(ours[name].default == lightnings[name].default for name in ours)
+    assert all(ours[name].default == lightnings[name].default for name in ours if name != "accumulate_grad_batches")
     assert "auto" in str(ours["accumulate_grad_batches"].annotation)
+    # None: PL_TRAINER_ACCUMULATE_GRAD_BATCHES, else Lightning's 1 (LightningCLI passes every default)
+    assert ours["accumulate_grad_batches"].default is None
+    assert Trainer(logger=False, enable_checkpointing=False).accumulate_grad_batches == 1
 
 
 @pytest.mark.parametrize("accumulate", [None, "auto"], ids=["no-auto", "auto-from-the-environment"])
@@ -438,3 +459,29 @@ def test_lightning_cli_with_the_trainer_class_takes_accumulate_grad_batches_auto
     assert (cli.trainer.max_epochs, cli.model.lr) == (1, 0.05)
     cli.trainer.fit(cli.model, loader(10))
     assert cli.trainer.global_step == 4
+
+
+_CLI_ARGUMENTS = ["--trainer.max_epochs", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+_CLI_ARGUMENTS += ["--trainer.enable_progress_bar", "false"]
+
+
+def test_pl_trainer_accumulate_grad_batches_auto_is_honoured_under_lightning_cli(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.setenv("PL_TRAINER_ACCUMULATE_GRAD_BATCHES", "auto")
+    cli = LightningCLI(Regression, trainer_class=Trainer, args=_CLI_ARGUMENTS, run=False, save_config_callback=None)
+    assert isinstance(cli.trainer.elastic, ElasticAccumulation)
+    given = ["--trainer.accumulate_grad_batches", "2", *_CLI_ARGUMENTS]  # an argument given wins over the variable
+    cli = LightningCLI(Regression, trainer_class=Trainer, args=given, run=False, save_config_callback=None)
+    assert cli.trainer.elastic is None and cli.trainer.accumulate_grad_batches == 2
+
+
+def test_pl_trainer_accumulate_grad_batches_auto_is_refused_by_lightnings_own_trainer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PL_TRAINER_ACCUMULATE_GRAD_BATCHES", "auto")
+    refused = r"PL_TRAINER_ACCUMULATE_GRAD_BATCHES=auto reached lightning\.pytorch\.trainer\.trainer\.Trainer, which"
+    with pytest.raises(ValueError, match=refused + r".*trainer_class=elastic_batches\.lightning\.Trainer"):
+        pl.Trainer(logger=False, enable_checkpointing=False)

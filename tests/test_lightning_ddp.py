@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,14 @@ def test_ddp_manual_optimization_recovers_a_rank_one_oom_and_equals_plain_ddp(
     for result in ddp_results:
         _same(result["manual"]["params"], result["manual_plain"]["params"])
         assert result["manual"]["controller"]["retry_count"] == 1
+
+
+def test_ddp_manual_optimization_without_the_mixin_runs_as_plain_ddp_on_every_rank_warning_on_rank_zero(
+    ddp_results: list[dict[str, Any]],
+) -> None:
+    for result in ddp_results:
+        _same(result["manual_unmixed"]["params"], result["manual_plain"]["params"])
+    assert [result["manual_unmixed"]["warnings"] for result in ddp_results] == [1, 0]
 
 
 def test_fsdp2_through_model_parallel_strategy_recovers_a_rank_one_oom_and_equals_plain_fsdp2(
@@ -233,6 +242,15 @@ def _ddp(out: Path) -> None:
     manual_model = ElasticManual(oom={"phase": "backward", "calls": [0], "rank": 1})
     manual = Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", **ddp))
     manual.fit(manual_model, loader(5))
+    # manual optimization without ElasticModule: runs on every rank as under the plain DDP Trainer
+    unmixed = Manual()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(**quiet_trainer_kwargs(accumulate_grad_batches="auto", **ddp)).fit(unmixed, loader(5))
+    result["manual_unmixed"] = {
+        "params": parameters_of(unmixed),
+        "warnings": sum("uses manual optimization" in str(w.message) for w in caught),
+    }
     result["manual_plain"] = {"params": parameters_of(manual_plain)}
     result["manual"] = {
         "params": parameters_of(manual_model),
@@ -257,11 +275,14 @@ def _ddp(out: Path) -> None:
 def _ddp_spawn(out: Path) -> None:
     from _lightning_models import Regression, loader, parameters_of, quiet_trainer_kwargs
 
-    from elastic_batches.lightning import Trainer
+    from elastic_batches.lightning import ElasticAccumulation, Trainer
 
     model = Regression(oom={"phase": "backward", "calls": [0], "rank": 1})
+    elastic = ElasticAccumulation(log_metrics=True)  # the elastic/* metrics come back with callback_metrics
     trainer = Trainer(
-        **quiet_trainer_kwargs(accumulate_grad_batches="auto", strategy="ddp_spawn", devices=2, log_every_n_steps=1)
+        **quiet_trainer_kwargs(
+            accumulate_grad_batches="auto", strategy="ddp_spawn", devices=2, log_every_n_steps=1, callbacks=[elastic]
+        )
     )
     trainer.fit(model, loader(5))
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
@@ -278,7 +299,8 @@ def _ddp_spawn_padded(out: Path) -> None:
     runs = {}
     for cut_oom in (False, True):
         elastic = ElasticAccumulation(
-            controllers={"train": eb.SplitController(split_count=2), "validate": eb.SplitController(split_count=2)}
+            controllers={"train": eb.SplitController(split_count=2), "validate": eb.SplitController(split_count=2)},
+            log_metrics=True,
         )
 
         def padded(stage: str, elastic: ElasticAccumulation = elastic) -> eb.MicrobatchingDataLoader:

@@ -5,7 +5,8 @@ strategy instance, by a function that runs the original on each microbatch (so t
 context and DDP forward redirection apply), retries the batch on OOM with the stage's own
 controller, logs each ``self.log`` name once with its full-batch value (straight through when
 the batch runs whole), and returns the microbatch outputs combined (predictions concatenated in
-row order). A batch that cannot be cut runs whole through the original (see ``_unsplittable.py``).
+row order). A step that takes ``dataloader_iter``, and a batch that cannot be cut, run whole through
+the original, with a warning (see ``_unsplittable.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_batches.batch import Microbatch
 from elastic_batches.lightning._outputs import combine_outputs
 from elastic_batches.lightning._stages import STAGE_OF_HOOK, Stages
-from elastic_batches.lightning._unsplittable import cannot_split, take_apart, user_batch
-from elastic_batches.oom import is_oom_error
+from elastic_batches.lightning._unsplittable import take_apart, user_batch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,15 +39,16 @@ def elastic_evaluation_hook(
     stage = STAGE_OF_HOOK[hook]
 
     def elastic_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        module = trainer.lightning_module
+        where = f"{type(trainer.lightning_module).__name__}.{hook}"
         if isinstance(batch, Iterator):
-            raise ValueError(
-                f"{type(module).__name__}.{hook} takes a dataloader_iter: ElasticAccumulation splits {hook}(batch, "
-                "batch_idx) only; pass ElasticAccumulation(split_evaluation=False) to leave evaluation whole"
-            )
+            stages.unsplit.dataloader_iter(stage, where)
+            return original(batch, *args, **kwargs)
         whole, why = take_apart(batch)
         if whole is None:
-            return run_whole(user_batch(batch), why, *args, **kwargs)
+            if why is not None:
+                stages.unsplit.batch(stage, where, user_batch(batch), why)
+            return original(user_batch(batch), *args, **kwargs)
+        module = trainer.lightning_module
         step = stages.step(stage)
         recorder = stages.recorder(module)
         recorder.start_batch()
@@ -69,18 +70,6 @@ def elastic_evaluation_hook(
         recorder.replay()
         stages.report(stage, len(ran), max((len(mb) for mb in ran), default=0))
         return combined
-
-    def run_whole(batch: Any, why: Exception | None, *args: Any, **kwargs: Any) -> Any:
-        where = f"{type(trainer.lightning_module).__name__}.{hook}"
-        count = stages.controllers[stage].split_count
-        if why is not None and count > 1:
-            raise cannot_split(where, batch, why, count=count)
-        try:
-            return original(batch, *args, **kwargs)
-        except Exception as err:
-            if why is None or not is_oom_error(err):
-                raise
-            raise cannot_split(where, batch, why) from err
 
     elastic_step.__wrapped__ = original  # type: ignore[attr-defined]
     return elastic_step

@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule
 
 from elastic_batches.controller import SplitController
 from elastic_batches.lightning._logging import LogRecorder
+from elastic_batches.lightning._unsplittable import UnsplitWarnings
 from elastic_batches.step import ElasticStep
 
 __all__ = ["STAGES", "STAGE_OF_HOOK", "Report", "Stages", "stages_of"]
@@ -37,6 +38,7 @@ class Stages:
 
     Attributes:
         controllers: The controller of each stage (the dict shared with the callback).
+        unsplit: The warnings of what runs whole (one per stage and case).
 
     Example:
         >>> import elastic_batches as eb
@@ -56,6 +58,7 @@ class Stages:
         self._report: Report | None = None
         self._steps: dict[str, ElasticStep] = {}
         self._recorder: LogRecorder | None = None
+        self.unsplit = UnsplitWarnings()
 
     def attach(self, strategy: Any, report: Report) -> None:
         """Make steps for ``strategy``'s model from now on, and tell ``report`` what each batch ran as."""

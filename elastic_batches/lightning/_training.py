@@ -7,8 +7,9 @@ through the strategy, so autocast and DDP forward redirection apply) and backpro
 ``loss * weight`` through the strategy's ``backward`` (precision plugin, ``on_before_backward`` /
 ``on_after_backward`` hooks). The order of each microbatch is Lightning's: ``training_step``,
 then (after the first one only) ``zero_grad``, then ``backward`` (see ``_zero_grad.py``). A batch
-whose every microbatch returns ``None`` is skipped as Lightning skips it; a batch that cannot be
-cut runs through Lightning's own closure, whole (see ``_unsplittable.py``).
+whose every microbatch returns ``None`` is skipped as Lightning skips it; a ``training_step`` that
+takes ``dataloader_iter``, and a batch that cannot be cut, run through Lightning's own closure,
+whole, with a warning (see ``_unsplittable.py``).
 
 Everything after the closure stays Lightning's: ``on_before_optimizer_step``, gradient clipping
 on the accumulated gradient, the GradScaler's unscale/step/update, the optimizer step, lr
@@ -37,16 +38,16 @@ from torch.optim import Optimizer
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.lightning._outputs import combine_outputs
 from elastic_batches.lightning._stages import Stages
-from elastic_batches.lightning._unsplittable import cannot_split, take_apart, user_batch
+from elastic_batches.lightning._unsplittable import take_apart, user_batch
 from elastic_batches.lightning._zero_grad import ZeroGradAfterFirstStep
 from elastic_batches.lightning.module import count_fn_of, microbatch_hooks_of
-from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, status_of
+from elastic_batches.oom import ElasticOOMError, Status, status_of
 from elastic_batches.step import _raise_if_failed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ElasticClosure", "ElasticOptimization", "WholeClosure"]
+__all__ = ["ElasticClosure", "ElasticOptimization"]
 
 _WHERE = "the optimizer step (on_before_optimizer_step, gradient clipping or optimizer.step())"
 _ABSENT = object()
@@ -67,29 +68,6 @@ class ElasticClosure(Closure):
             self.warning_cache.warn(_SKIPPED)
         self.finished = True
         return result
-
-
-class WholeClosure(Closure):
-    """Lightning's own closure, for a batch that cannot be cut: an OOM in it raises ``cannot_split``'s error.
-
-    Args:
-        where: The step, for the message.
-        batch: The batch, for the message.
-        why: What taking it apart raised (``None``: an empty batch, whose OOM passes unchanged).
-        **kwargs: ``Closure``'s ``step_fn``, ``backward_fn`` and ``zero_grad_fn``.
-    """
-
-    def __init__(self, where: str, batch: Any, why: Exception | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._where, self._batch, self._why = where, batch, why
-
-    def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
-        try:
-            return super().closure(*args, **kwargs)
-        except Exception as err:
-            if self._why is None or not is_oom_error(err):
-                raise
-            raise cannot_split(self._where, self._batch, self._why) from err
 
 
 class ElasticOptimization:
@@ -126,30 +104,20 @@ class ElasticOptimization:
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> Closure:
         loop, module = self.loop, self.trainer.lightning_module
+        lightnings = self._lightning["_make_closure"]
         if loop._skip_backward:
-            return self._lightning["_make_closure"](kwargs, optimizer, batch_idx)
+            return lightnings(kwargs, optimizer, batch_idx)
         if "batch" not in kwargs:
-            raise ValueError(
-                f"{type(module).__name__}.training_step takes a dataloader_iter: accumulate_grad_batches='auto' needs "
-                "training_step(batch, batch_idx), whose batch it can split"
-            )
+            self.stages.unsplit.dataloader_iter("train", f"{type(module).__name__}.training_step")
+            return lightnings(kwargs, optimizer, batch_idx)
         batch, why = take_apart(kwargs["batch"])
-        zero_grad_fn = loop._make_zero_grad_fn(batch_idx, optimizer)
         if batch is None:
-            where = f"{type(module).__name__}.training_step"
             whole = OrderedDict(kwargs)
             whole["batch"] = user_batch(kwargs["batch"])
-            count = self.stages.controllers["train"].split_count
-            if why is not None and count > 1:
-                raise cannot_split(where, whole["batch"], why, count=count)
-            return WholeClosure(
-                where,
-                whole["batch"],
-                why,
-                step_fn=loop._make_step_fn(whole),
-                backward_fn=loop._make_backward_fn(optimizer),
-                zero_grad_fn=zero_grad_fn,
-            )
+            if why is not None:
+                self.stages.unsplit.batch("train", f"{type(module).__name__}.training_step", whole["batch"], why)
+            return lightnings(whole, optimizer, batch_idx)
+        zero_grad_fn = loop._make_zero_grad_fn(batch_idx, optimizer)
         return ElasticClosure(partial(self._training_step, kwargs, optimizer, batch, zero_grad_fn))
 
     def _optimizer_step(self, batch_idx: int, train_step_and_backward_closure: Callable[[], Any]) -> None:

@@ -16,6 +16,7 @@ from elastic_batches.batch import ElasticBatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES
 from elastic_batches.lightning._evaluation import elastic_evaluation_hook
+from elastic_batches.lightning._progress import SplitPostfix
 from elastic_batches.lightning._stages import STAGE_OF_HOOK, STAGES, Stages
 from elastic_batches.lightning._training import ElasticOptimization
 from elastic_batches.lightning.module import ElasticModule
@@ -85,6 +86,11 @@ class ElasticAccumulation(Callback):
             XPU; none on a CPU), a :class:`elastic_batches.memory.MemoryProbe` (an
             ``elastic_batches.testing.MemoryBudget`` on a CPU), or ``None`` (the OOM-driven search
             alone), as for :class:`elastic_batches.ElasticStep`.
+        log_metrics: ``True`` logs ``elastic/split_count`` (in the progress bar's metrics too),
+            ``elastic/microbatch_size`` and ``elastic/oom_retries`` with ``self.log`` on the Trainer's
+            logging steps: they then reach ``callback_metrics``, ``logged_metrics`` and the loggers.
+            ``False`` (default) adds nothing to the user's metrics: the split count is shown in the
+            training progress bar's text (``split=2``) and in a console line on each change.
 
     Attributes:
         controllers: The controller of each stage.
@@ -113,6 +119,7 @@ class ElasticAccumulation(Callback):
         split_evaluation: bool = True,
         gather: str = "auto",
         memory: MemoryProbe | str | None = "auto",
+        log_metrics: bool = False,
     ) -> None:
         check_memory("ElasticAccumulation", memory)
         if gather not in GATHER_MODES:
@@ -138,6 +145,8 @@ class ElasticAccumulation(Callback):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.split_evaluation = split_evaluation
         self.gather = gather
+        self.log_metrics = log_metrics
+        self._postfix = SplitPostfix()
         self.elastic_stages = Stages(
             {stage: (controllers or {}).get(stage) or SplitController() for stage in STAGES},
             gather=gather,
@@ -189,12 +198,8 @@ class ElasticAccumulation(Callback):
                 "strategy=ModelParallelStrategy() and torch.distributed.fsdp.fully_shard in configure_model "
                 "(also on the LightningModule itself)"
             )
-        if not pl_module.automatic_optimization and not isinstance(pl_module, ElasticModule):
-            raise ValueError(
-                f"{type(pl_module).__name__} uses manual optimization: ElasticAccumulation cannot split a "
-                "training_step that steps the optimizer itself. Mix in elastic_batches.lightning.ElasticModule and "
-                "call self.elastic_backward(batch, loss_fn) in training_step instead of self.manual_backward(loss)"
-            )
+        if stage == "fit" and not pl_module.automatic_optimization and not isinstance(pl_module, ElasticModule):
+            self.elastic_stages.unsplit.manual_optimization(type(pl_module).__name__)
         if self.accumulate_grad_batches is not None:
             trainer.accumulate_grad_batches = self.accumulate_grad_batches
         self._install(trainer)
@@ -246,7 +251,9 @@ class ElasticAccumulation(Callback):
     def _report(self, stage: str, count: int, size: int) -> None:
         """A batch of ``stage`` ran as ``count`` microbatches of at most ``size`` rows: metrics and a change's line."""
         controller = self.controllers[stage]
-        if stage == "train":
+        if stage == "train" and self._installed is not None:
+            self._postfix.show(self._installed[0], count)
+        if stage == "train" and self.log_metrics:
             self._train_metrics = {
                 "elastic/split_count": float(count),
                 "elastic/microbatch_size": float(size),
@@ -259,13 +266,18 @@ class ElasticAccumulation(Callback):
         if capacity == known or count == before:
             return
         self._last_counts[stage] = count
-        unit = "rows" if controller.unit == "rows" else "tokens"
-        limit = "no OOM yet" if capacity is None else f"microbatches of at most {capacity} {unit} fit"
         # Lightning's own rank-zero messages reach the console without any logging set up: so does this one.
         rank_zero_info(
-            f"elastic_batches: {stage} split count {before} -> {count} (largest microbatch {size} rows; {limit}; "
+            f"elastic_batches: {stage} split count {before} -> {count} (largest microbatch {size} rows; "
+            f"{self._limit(controller)}; "
             f"{controller.retry_count} OOM retries so far)"
         )
+
+    @staticmethod
+    def _limit(controller: SplitController) -> str:
+        capacity = controller.microbatch_size
+        unit = "rows" if controller.unit == "rows" else "tokens"
+        return "no OOM yet" if capacity is None else f"microbatches of at most {capacity} {unit} fit"
 
     # -- Lightning hooks ----------------------------------------------------------------------
 
@@ -293,16 +305,16 @@ class ElasticAccumulation(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Log ``elastic/split_count``, ``elastic/microbatch_size`` and ``elastic/oom_retries`` for the step.
+        """``log_metrics=True``: log ``elastic/split_count``, ``elastic/microbatch_size``, ``elastic/oom_retries``.
 
         Only on the steps whose metrics the Trainer sends to its loggers (``log_every_n_steps``):
         a ``self.log`` call is not free, and values nobody sees are not worth it.
         """
-        if self._train_metrics is None or trainer._results is None:
+        if not self.log_metrics or self._train_metrics is None or trainer._results is None:
             return
         if not trainer._logger_connector.should_update_logs:
             return
-        for name, value in self._train_metrics.items():  # the split count in the progress bar too
+        for name, value in self._train_metrics.items():  # the split count in the progress bar's metrics too
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=name.endswith("count"))
 
     # -- state --------------------------------------------------------------------------------
@@ -336,4 +348,11 @@ class ElasticAccumulation(Callback):
             except ValueError as err:
                 raise ValueError(f"ElasticAccumulation.load_state_dict: the {stage!r} stage: {err}") from err
         for stage in STAGES:
-            self.controllers[stage].load_state_dict(states[stage])
+            controller = self.controllers[stage]
+            controller.load_state_dict(states[stage])
+            self._last_counts[stage], self._last_capacity[stage] = controller.split_count, controller.microbatch_size
+            if controller.split_count > 1 or controller.microbatch_size is not None:
+                rank_zero_info(
+                    f"elastic_batches: {stage} split count {controller.split_count}, restored from the "
+                    f"checkpoint ({self._limit(controller)}; {controller.retry_count} OOM retries before it)"
+                )
