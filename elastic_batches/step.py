@@ -414,7 +414,7 @@ class ElasticStep:
                 count, lead = self.sync.agree_plan(count, lead, where)
                 attempt = _Attempt(size=0, smallest=smallest)
                 if not lead:
-                    attempt.sizes = load.sizes(count, min_rows=self.controller.min_microbatch_size)
+                    attempt.sizes = load.sizes(count, min_rows=smallest)  # the BatchNorm floor too
                     attempt.size = load.largest(attempt.sizes)
                 if reading is not None:
                     assert probe is not None and model is not None
@@ -424,10 +424,9 @@ class ElasticStep:
                     if not saved:  # inside the attempt: what saving allocates is the attempt's
                         self._rollback.save(self._devices(params))
                         saved = True
-                    if count > 1 or attempt.lead:
-                        self._warn_batchnorm(
-                            f"now into {count} microbatches" if not attempt.lead else "measured in pieces"
-                        )
+                    if len(attempt.sizes) > 1 or attempt.lead:
+                        how = "measured in pieces" if attempt.lead else f"now into {len(attempt.sizes)} microbatches"
+                        self._warn_batchnorm(how)
                     run(attempt, count)
                 except Exception as err:  # maybe on this rank only: the vote must still happen
                     attempt.status, attempt.error, attempt.result = status_of(err), err, None

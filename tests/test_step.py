@@ -794,6 +794,23 @@ def test_batchnorm_stops_the_split_before_a_microbatch_of_one_row() -> None:
         step.backward(batch, always)
 
 
+@pytest.mark.parametrize(("rows", "split", "pieces"), [(2, 2, [2]), (5, 3, [3, 2])], ids=["2-rows-at-2", "5-rows-at-3"])
+def test_a_split_count_given_from_the_start_keeps_the_batchnorm_floor(rows: int, split: int, pieces: list[int]) -> None:
+    """A tag or a starting count never cuts one-row microbatches through a training-mode BatchNorm (torch raised)."""
+    model = _batchnorm_model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=split))
+    seen: list[int] = []
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        seen.append(len(mb[0]))
+        return _mse(model)(mb)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step.backward(_batch(rows), loss_fn)
+    assert seen == pieces and step.controller.split_count == len(pieces)
+
+
 # ---------------------------------------------------------------------------------------------
 # An OOM, then another error in the retry
 
