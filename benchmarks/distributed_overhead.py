@@ -323,7 +323,7 @@ def _vote_alone(sync: Any, params: list[torch.Tensor] | None, calls: int = 50) -
         if params is not None:
             sync.prepare(params)
         start = time.perf_counter()
-        sync.vote(eb.distributed.Status.OK, 1, 1.0, params)
+        sync.vote(eb.distributed.Ballot(eb.distributed.Status.OK, 1, 1.0), params)
         spent += time.perf_counter() - start
         sync.discard()
     elapsed = torch.tensor([spent / calls], dtype=torch.float64)

@@ -16,7 +16,7 @@ from elastic_batches._warnings import warn_on_rank_zero, warn_once
 from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
-from elastic_batches.distributed import GATHER_MODES, GradientSync, Verdict, gradient_sync_for
+from elastic_batches.distributed import GATHER_MODES, Ballot, GradientSync, Verdict, gradient_sync_for
 from elastic_batches.memory import MemoryProbe, MemoryReading, check_memory, device_probe
 from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
@@ -431,7 +431,7 @@ class ElasticStep:
                 except Exception as err:  # maybe on this rank only: the vote must still happen
                     attempt.status, attempt.error, attempt.result = status_of(err), err, None
                 capacity = self._forecast(attempt)
-                verdict = self.sync.vote(attempt.status, attempt.size, attempt.total, params, capacity=capacity)
+                verdict = self.sync.vote(Ballot(attempt.status, attempt.size, attempt.total, capacity), params)
                 if verdict.status == Status.OK:
                     self._rollback.commit()
                     if capacity and not verdict.capacity:

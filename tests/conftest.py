@@ -37,8 +37,28 @@ def forget_warnings() -> Iterator[Callable[[], None]]:
     _warnings._WARNED.clear()
 
 
-_DISTRIBUTED = frozenset({"test_distributed", "test_fsdp2_modules", "test_fault_matrix", "test_lightning_ddp"})
-_SLOW = frozenset({"test_examples", "test_demo", "test_address_space", "test_main", "test_memory_budget_resize"})
+_DISTRIBUTED = frozenset(
+    {
+        "test_ddp_overlap",
+        "test_distributed",
+        "test_fault_matrix",
+        "test_fsdp2_identity",
+        "test_fsdp2_modules",
+        "test_fsdp2_stand_ins",
+        "test_lightning_ddp",
+        "test_transformers_accelerate",
+    }
+)
+_SLOW = frozenset(
+    {
+        "test_address_space",
+        "test_demo",
+        "test_examples",
+        "test_main",
+        "test_memory_budget_resize",
+        "test_transformers",
+    }
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1317,7 +1317,7 @@ def _vote_in(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     sync.prepare(params)
     status = eb.distributed.Status.OK if rank == 0 else eb.distributed.Status.OOM
     with _counting_collectives() as counts:
-        verdict = sync.vote(status, 2**40 + 3 - rank, 1e15 / 3 + rank, params, capacity=2**40 + 7 - rank)
+        verdict = sync.vote(eb.distributed.Ballot(status, 2**40 + 3 - rank, 1e15 / 3 + rank, 2**40 + 7 - rank), params)
     sync.discard()
     return {"verdict": tuple(verdict), "counts": counts}
 

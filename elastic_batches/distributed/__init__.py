@@ -53,10 +53,10 @@ from elastic_batches.distributed.fsdp2_auto import AutoGather
 from elastic_batches.distributed.fsdp2_modules import ShardPerModule
 from elastic_batches.distributed.guard import PeerFailure
 from elastic_batches.distributed.plain import Agreeing
-from elastic_batches.distributed.protocol import GradientSync, Verdict
+from elastic_batches.distributed.protocol import Ballot, GradientSync, Verdict
 from elastic_batches.oom import Status
 
-__all__ = ["GATHER_MODES", "GradientSync", "PeerFailure", "Status", "Verdict", "gradient_sync_for"]
+__all__ = ["GATHER_MODES", "Ballot", "GradientSync", "PeerFailure", "Status", "Verdict", "gradient_sync_for"]
 
 GATHER_MODES = ("auto", "attempt", "module")
 

@@ -21,7 +21,7 @@ from torch import nn
 from elastic_batches.distributed.buckets import DEFAULT_BUCKET_BYTES, FlatPlan
 from elastic_batches.distributed.overlap import BucketSchedule
 from elastic_batches.distributed.plain import Agreeing
-from elastic_batches.distributed.protocol import GradientSync, Rows, Verdict, verdict_of
+from elastic_batches.distributed.protocol import Ballot, GradientSync, Rows, Verdict, verdict_of
 from elastic_batches.distributed.wire import VOTE_BYTES, UsedMap, VoteBytes
 from elastic_batches.oom import Status
 
@@ -198,17 +198,11 @@ class DistributedDataParallel(Agreeing):
         if tuple(map(id, params)) == self._plan_key:  # the plan every rank confirmed: its order on every rank
             schedule.arm(self._weighed / self._reference)
 
-    def vote(
-        self,
-        status: Status,
-        size: int,
-        total: float,
-        params: Sequence[torch.Tensor] | None = None,
-        capacity: int = 0,
-    ) -> Verdict:
+    def vote(self, ballot: Ballot, params: Sequence[torch.Tensor] | None = None) -> Verdict:
         self._weighed = None
         if params is None:
-            return super().vote(status, size, total, capacity=capacity)
+            return super().vote(ballot)
+        status, size, total, capacity = ballot
         key = tuple(map(id, self._synced(params)))
         fused = key == self._fused_key
         if fused:

@@ -22,7 +22,7 @@ from torch import nn
 from elastic_batches.distributed.buckets import DEFAULT_BUCKET_BYTES, group_by_bytes
 from elastic_batches.distributed.guard import CollectiveGuard, guarded_comms, side_channel
 from elastic_batches.distributed.plain import Agreeing
-from elastic_batches.distributed.protocol import Rows, Verdict, agreement_of, check_values, verdict_of
+from elastic_batches.distributed.protocol import Ballot, Rows, Verdict, agreement_of, check_values, verdict_of
 from elastic_batches.distributed.wire import REDUCE_SCATTER, VOTE_BYTES, UsedMap, VoteBytes
 from elastic_batches.oom import Status, status_of
 
@@ -465,14 +465,8 @@ class FullyShard(Agreeing):
         self._used.record(used)
         self._grads, self._buckets, self._fused_grads = grads, buckets, fused
 
-    def vote(
-        self,
-        status: Status,
-        size: int,
-        total: float,
-        params: Sequence[torch.Tensor] | None = None,
-        capacity: int = 0,
-    ) -> Verdict:
+    def vote(self, ballot: Ballot, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        status, size, total, capacity = ballot
         said = self.guard.vote_status(status)
         if self.layout.hsdp:  # the side channel's meeting point: the peers' votes, whatever their guards saw
             values = (size, total, self._used.flag if params else 0.0, capacity)
@@ -480,7 +474,7 @@ class FullyShard(Agreeing):
             if params is None:
                 return verdict_of(rows, total)
         elif params is None:  # no gradients to reduce (evaluation): the vote alone
-            return super().vote(said, size, total, capacity=capacity)
+            return super().vote(ballot._replace(status=said))
         else:
             fused = self._fused
             assert fused is not None

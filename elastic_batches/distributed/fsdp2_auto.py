@@ -28,7 +28,7 @@ from torch import nn
 from elastic_batches.distributed.fsdp2 import FSDPLayout, FullyShard
 from elastic_batches.distributed.fsdp2_modules import ShardPerModule
 from elastic_batches.distributed.guard import CollectiveGuard
-from elastic_batches.distributed.protocol import GradientSync, Verdict
+from elastic_batches.distributed.protocol import Ballot, GradientSync, Verdict
 from elastic_batches.oom import Status
 
 __all__ = ["AUTO_HEADROOM", "AutoGather"]
@@ -111,15 +111,8 @@ class AutoGather(GradientSync):
     def prepare(self, params: Sequence[torch.Tensor]) -> None:
         self.active.prepare(params)
 
-    def vote(
-        self,
-        status: Status,
-        size: int,
-        total: float,
-        params: Sequence[torch.Tensor] | None = None,
-        capacity: int = 0,
-    ) -> Verdict:
-        return self.active.vote(status, size, total, params, capacity)
+    def vote(self, ballot: Ballot, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        return self.active.vote(ballot, params)
 
     def agree(self, status: Status, *values: float) -> Verdict:
         return self.active.agree(status, *values)

@@ -30,7 +30,7 @@ from torch import nn
 
 from elastic_batches.distributed.fsdp2 import FSDPLayout
 from elastic_batches.distributed.guard import PIECES_OP, CollectiveGuard, guarded_comms
-from elastic_batches.distributed.protocol import GradientSync, Verdict, agreement_of, check_values, verdict_of
+from elastic_batches.distributed.protocol import Ballot, GradientSync, Verdict, agreement_of, check_values, verdict_of
 from elastic_batches.distributed.script import DEPARTED, STAND_IN_FAILED, Scripts
 from elastic_batches.oom import Status, release_memory
 
@@ -149,14 +149,8 @@ class ShardPerModule(GradientSync):
             for group, reduce_grads, all_reduce in saved:
                 group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce
 
-    def vote(
-        self,
-        status: Status,
-        size: int,
-        total: float,
-        params: Sequence[torch.Tensor] | None = None,
-        capacity: int = 0,
-    ) -> Verdict:
+    def vote(self, ballot: Ballot, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        status, size, total, capacity = ballot
         guard = self.guard
         recorded = guard.recorded() if status == Status.OK and not guard.aborted else None
         failure = guard.stand_in_failure

@@ -10,6 +10,7 @@ from torch import nn
 
 from elastic_batches.distributed.protocol import (
     VOTE_WIDTH,
+    Ballot,
     GradientSync,
     Rows,
     Verdict,
@@ -43,15 +44,10 @@ class Agreeing(GradientSync):
         getattr(dist, ALL_GATHER)(self._gathered, self._mine.write(values), group=self.group)
         return tuple(map(tuple, self._gathered.view(self.world_size, VOTE_WIDTH).tolist()))
 
-    def vote(
-        self,
-        status: Status,
-        size: int,
-        total: float,
-        params: Sequence[torch.Tensor] | None = None,
-        capacity: int = 0,
-    ) -> Verdict:
-        return verdict_of(self._exchange((status, size, total, 0.0, capacity)), total)
+    def vote(self, ballot: Ballot, params: Sequence[torch.Tensor] | None = None) -> Verdict:
+        return verdict_of(
+            self._exchange((ballot.status, ballot.size, ballot.total, 0.0, ballot.capacity)), ballot.total
+        )
 
     def agree(self, status: Status, *values: float) -> Verdict:
         check_values(values)

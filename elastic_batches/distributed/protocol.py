@@ -23,6 +23,7 @@ from elastic_batches.oom import Status
 
 __all__ = [
     "AGREE_VALUES",
+    "Ballot",
     "GradientSync",
     "Rows",
     "Verdict",
@@ -35,6 +36,28 @@ __all__ = [
 VOTE_WIDTH = 6  # values each rank contributes to one vote: status, size, total, unused flag, capacity, ready
 AGREE_VALUES = 4  # numbers another phase's vote sums
 Rows = tuple[tuple[float, ...], ...]  # every rank's vote values, in rank order
+
+
+class Ballot(NamedTuple):
+    """What one rank votes after an attempt (:meth:`GradientSync.vote`).
+
+    Attributes:
+        status: This rank's outcome.
+        size: Size of this rank's largest microbatch (rows, or the controller's unit).
+        total: This rank's weight total (rows, or counted items).
+        capacity: The largest microbatch this rank's memory model predicts fits the next attempt
+            (rows, or tokens); 0: no prediction. Every rank plans from the smallest.
+
+    Example:
+        >>> from elastic_batches.distributed import Ballot, Status
+        >>> Ballot(Status.OK, size=4, total=8.0).capacity
+        0
+    """
+
+    status: Status
+    size: int
+    total: float
+    capacity: int = 0
 
 
 class Verdict(NamedTuple):
@@ -120,9 +143,9 @@ class GradientSync:
 
     Example:
         >>> import torch
-        >>> from elastic_batches.distributed import GradientSync, Status
+        >>> from elastic_batches.distributed import Ballot, GradientSync, Status
         >>> sync = GradientSync(torch.nn.Linear(2, 1))
-        >>> sync.vote(Status.OK, size=4, total=8.0).scale
+        >>> sync.vote(Ballot(Status.OK, size=4, total=8.0)).scale
         1.0
     """
 
@@ -212,27 +235,17 @@ class GradientSync:
             params: The trained parameters whose ``.grad`` the attempt accumulated.
         """
 
-    def vote(
-        self,
-        status: Status,
-        size: int,
-        total: float,
-        params: Sequence[torch.Tensor] | None = None,
-        capacity: int = 0,
-    ) -> Verdict:
+    def vote(self, ballot: Ballot, params: Sequence[torch.Tensor] | None = None) -> Verdict:
         """Share this rank's outcome of an attempt; every rank gets the same verdict back.
 
         Args:
-            status: This rank's outcome.
-            size: Size of this rank's largest microbatch (rows, or the controller's unit).
-            total: This rank's weight total (rows, or counted items).
+            ballot: This rank's outcome, its largest microbatch, its weight total and what its
+                memory model predicts fits.
             params: The parameters of a ``backward`` attempt (the same list as for
                 :meth:`prepare`): DDP may start reducing their gradients in the vote's own
                 collective. ``None`` (``evaluate``): no gradients.
-            capacity: The largest microbatch this rank's memory model predicts fits the next
-                attempt (rows, or tokens); 0: no prediction. Every rank plans from the smallest.
         """
-        return verdict_of(((status, size, total, 0.0, capacity),), total)
+        return verdict_of(((ballot.status, ballot.size, ballot.total, 0.0, ballot.capacity),), ballot.total)
 
     def agree(self, status: Status, *values: float) -> Verdict:
         """One small collective: every rank learns every rank's status and the sums of ``values``.
