@@ -18,7 +18,7 @@ from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES, GradientSync, Verdict, gradient_sync_for
 from elastic_batches.memory import MemoryProbe, check_memory, device_probe
-from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
+from elastic_batches.oom import ElasticOOMError, Status, clear_error, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
 
@@ -435,10 +435,10 @@ class ElasticStep:
                     del attempt
                     continue
                 status, error, started = attempt.status, attempt.error, attempt.started
+                attempt.error = attempt.meter = None  # the error's frames hold the attempt: a reference cycle
                 del attempt
                 self._learn_from_failure(verdict, status, error, batch, started, where)
-                # Drop the error before collecting: its traceback keeps the failed attempt's tensors alive
-                # through frames that clear_frames cannot reach (closure cells of hooked modules' forward).
+                clear_error(error)  # its frames held the attempt, and the attempt it: that cycle is broken
                 del error
                 release_memory()
         except BaseException:
