@@ -14,6 +14,8 @@ same path it takes on a GPU:
   microbatch and in any chosen aten operator (a concatenation, a stack, a buffer's allocation);
   :func:`inject_oom_in_all_gather` and :func:`inject_oom_in_reduce_scatter` in the allocation
   of an FSDP2 collective's buffer.
+* :class:`StandInCuda` stands in for ``torch.cuda``'s memory functions on a CPU, over a
+  ``MemoryBudget`` with the caching-allocator model, checking their arguments as the real ones.
 * :class:`AddressSpaceLimit` makes the real CPU allocator refuse (Linux): a limit on the
   process's address space, under which torch raises its own ``DefaultCPUAllocator: can't
   allocate memory``.
@@ -23,6 +25,7 @@ See ``docs/testing.md`` for a walk-through.
 
 from elastic_batches.testing.address_space import AddressSpaceLimit, address_space_bytes
 from elastic_batches.testing.collectives import inject_oom_in_all_gather, inject_oom_in_reduce_scatter
+from elastic_batches.testing.cuda import StandInCuda
 from elastic_batches.testing.injection import (
     OOMInjection,
     inject_oom,
@@ -37,6 +40,7 @@ __all__ = [
     "AddressSpaceLimit",
     "MemoryBudget",
     "OOMInjection",
+    "StandInCuda",
     "address_space_bytes",
     "inject_oom",
     "inject_oom_in_all_gather",
