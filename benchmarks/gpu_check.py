@@ -363,9 +363,9 @@ _FAILED_RETRIED: dict[str, Any] = {
     "failed_tensor_alive_at_retry": True, "allocated_at_retry_over_start": -1, "slack_at_ooms": [],
 }  # fmt: skip
 _FAILED_PREDICTED: dict[str, Any] = {
-    "counts": [], "ooms_until_settled": -1, "ooms_after_settled": -1, "gradient_relative_error": float("inf"),
+    "counts": [], "ooms_until_settled": 99, "ooms_after_settled": 99, "gradient_relative_error": float("inf"),
     "slack_at_ooms": [], "user_peak": 1, "user_peak_after_step": 0, "ooms_after_another_process": -1,
-    "ooms_in_the_last_step_then": -1, "model": "",
+    "ooms_in_the_last_step_then": 99, "model": "",
 }  # fmt: skip
 
 
