@@ -121,14 +121,19 @@ def make(name: str, model: nn.Module, loss_fn: LossFn, budget: MemoryBudget, uni
     return SizePolicy(model, loss_fn, budget, halving if name == "halving" else decay)
 
 
-def peak_at(model: nn.Module, loss_fn: LossFn, batch: eb.ElasticBatch, count: int, unit: str = "rows") -> int:
-    """Peak bytes of one step of ``batch`` at ``count`` balanced microbatches (in the unit), nothing limited."""
-    budget = MemoryBudget()
+def peak_at(
+    model: nn.Module, loss_fn: LossFn, batch: eb.ElasticBatch, count: int, unit: str = "rows", allocator: str = "exact"
+) -> int:
+    """Peak bytes of one step of ``batch`` at ``count`` balanced microbatches (in the unit), nothing limited.
+
+    Under a caching ``allocator``, the peak of what it reserved (what a limit bounds there).
+    """
+    budget = MemoryBudget(allocator=allocator)
     step = eb.ElasticStep(model, controller=eb.SplitController(count, unit=unit, margin=None), memory=None)
     with budget:
         step.backward(batch, loss_fn)
     model.zero_grad(set_to_none=True)
-    return budget.peak_bytes
+    return budget.peak_reserved_bytes
 
 
 def fewest(peak: Callable[[int], int], rows: int, limit: int) -> int:

@@ -163,7 +163,7 @@ def main() -> int:
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction needs an index
     config = DemoConfig(batch_size=64, seq_len=512, vocab_size=8192, dim=512, heads=8, layers=4)
     torch.manual_seed(0)
     model = config.model().to(device)

@@ -33,11 +33,19 @@ count stopped changing, the settled count, and the OOMs after it. The predictor'
 until settled in at least 90% of the cases and at most 1 in every case; settled at most
 ``max(fewest + 1, 1.10 * fewest)`` microbatches, and no OOM after.
 
+``--allocator caching`` (or ``expandable``) runs the third table under the caching-allocator
+simulation (``MemoryBudget(allocator=...)``: limits, peaks and the probe's capacity are then in
+reserved bytes, segments and their unused ends included), and ``--model heavy`` on a transformer
+whose activations are MiB-sized (so that segment sizes matter); ``--lm-only`` skips the first two
+tables. With a predictor, the table also counts the runs whose margin grew (an OOM the memory
+model did not predict).
+
 Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 
@@ -286,6 +294,12 @@ LM = DemoConfig(seq_len=16, vocab_size=48, dim=32, heads=2, layers=1)
 LM_BATCHES = (16, 100, 256, 1000)
 LM_COUNTS = (1, 2, 3, 6, 16, 40) if QUICK else (1, 2, 3, 4, 6, 10, 16, 40, 100)
 LM_STEPS = 5 if QUICK else 6
+ALLOCATOR = "exact"  # --allocator: the MemoryBudget's allocator model
+# --model heavy: activations of MiB (a batch of 64 holds 4 MiB per activation), where segment sizes matter
+HEAVY = DemoConfig(seq_len=128, vocab_size=64, dim=128, heads=2, layers=1)
+HEAVY_BATCHES = (16, 64)
+HEAVY_COUNTS = (1, 2, 3, 4, 8) if QUICK else (1, 2, 3, 4, 6, 8, 16)
+WIDENED: list[int] = []  # per predicted run: 1 if its margin grew
 
 
 def _lm(rows: int) -> tuple[torch.nn.Module, ElasticBatch]:
@@ -302,7 +316,7 @@ def _peaks(rows: int) -> Callable[[int], int]:
 
     def peak(count: int) -> int:
         if count not in peaks:
-            peaks[count] = peak_at(model, lambda mb: lm_loss(model, mb), batch, count)
+            peaks[count] = peak_at(model, lambda mb: lm_loss(model, mb), batch, count, allocator=ALLOCATOR)
         return peaks[count]
 
     return peak
@@ -334,12 +348,15 @@ def lm_cases() -> list[tuple[int, int, int, str]]:
 def lm_run(policy: str, rows: int, limit: int) -> tuple[int, int, int, list[int]]:
     """OOMs until the count stopped changing, the settled count, OOMs after it, and each step's count."""
     model, batch = _lm(rows)
-    runner = make(policy, model, lambda mb: lm_loss(model, mb), MemoryBudget(limit))
+    runner = make(policy, model, lambda mb: lm_loss(model, mb), MemoryBudget(limit, allocator=ALLOCATOR))
     ooms, counts = [], []
     for _ in range(LM_STEPS):
         spent, count = runner.step(batch)
         ooms.append(spent)
         counts.append(count)
+    memory = getattr(getattr(runner, "controller", None), "memory", None)
+    if policy == "predicted" and memory is not None:
+        WIDENED.append(int(memory.margin > 0.05))
     settled = next(i for i in range(len(counts)) if len(set(counts[i:])) == 1)
     return sum(ooms[: settled + 1]), counts[-1], sum(ooms[settled + 1 :]), counts
 
@@ -389,7 +406,10 @@ def lm_main() -> None:
     headers = ["B", "limit", "MiB", "fewest"]
     for policy in LM_POLICIES:
         headers += [f"{policy} OOMs", f"{policy} mbs", f"{policy} OOMs after"]
-    print(f"\ntiny transformer LM under MemoryBudget: {len(cases)} (batch, limit) cases, {LM_STEPS} steps each")
+    print(
+        f"\n{'memory-heavy' if LM is HEAVY else 'tiny'} transformer LM under MemoryBudget(allocator={ALLOCATOR!r}): "
+        f"{len(cases)} (batch, limit) cases, {LM_STEPS} steps each"
+    )
     print(table(headers, rows_out))
     lines = [_summary_row(f"{policy}, {kind}", results) for (policy, kind), results in sorted(summary.items())]
     mid = summary[("predicted", "mid")]
@@ -402,8 +422,11 @@ def lm_main() -> None:
             "share_settled_without_oom": zero,
             "target": "share_settled_without_oom >= 0.9",
             "met": zero >= 0.9,
+            "allocator": ALLOCATOR,
+            "margin_widened_runs": sum(WIDENED),
         }
     )
+    print(f"predicted: the margin grew (an OOM the model did not predict) in {sum(WIDENED)} of {len(WIDENED)} runs")
     print()
     print(
         table(
@@ -428,5 +451,14 @@ def lm_main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--allocator", choices=["exact", "caching", "expandable"], default="exact")
+    parser.add_argument("--model", choices=["tiny", "heavy"], default="tiny")
+    parser.add_argument("--lm-only", action="store_true", help="skip the size-oracle tables")
+    args = parser.parse_args()
+    ALLOCATOR = args.allocator
+    if args.model == "heavy":
+        LM, LM_BATCHES, LM_COUNTS = HEAVY, HEAVY_BATCHES, HEAVY_COUNTS
+    if not args.lm_only:
+        main()
     lm_main()

@@ -223,7 +223,7 @@ def _train_elastic(
     out: TextIO | None,
 ) -> tuple[SplitController, list[float], list[tuple[int, int, int]]]:
     loader = MicrobatchingDataLoader(_loader(dataset, config))
-    step = ElasticStep(model, controller=loader.controller)
+    step = ElasticStep(model, controller=loader.controller, memory=None)  # the OOM-driven search, as shown
     optimizer = _optimizer(model, config)
     losses: list[float] = []
     changes: list[tuple[int, int, int]] = []

@@ -23,8 +23,9 @@ import abc
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "check_memory", "device_probe"]
+__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "active_probe", "check_memory", "device_probe"]
 
 
 class MemoryReading(NamedTuple):
@@ -79,6 +80,9 @@ class MemoryProbe(abc.ABC):
     def window_peak(self) -> int:
         """The highest bytes in use since :meth:`start_window`."""
 
+    def finish(self) -> None:  # noqa: B027 (a hook with nothing to do by default)
+        """The step's windows are over: leave the device's own statistics as the user would see them without them."""
+
 
 def check_memory(owner: str, memory: object) -> None:
     """Refuse a ``memory=`` that is not ``"auto"``, ``None`` or a :class:`MemoryProbe`.
@@ -108,11 +112,18 @@ class AcceleratorProbe(MemoryProbe):
     the controller's margin is kept for it, and grows after an OOM the model did not predict.
 
     Starting a window resets the device's peak statistics (``reset_peak_memory_stats``), as
-    measuring a peak per microbatch must: read ``max_memory_allocated`` of a whole step yourself
-    with ``ElasticStep(..., memory=None)``.
+    measuring a peak per microbatch must; the peak before the first window and every window's
+    are kept, and :meth:`finish` (at the end of each step) puts the true maximum back, so that
+    the user's own ``max_memory_allocated()`` (Lightning's ``DeviceStatsMonitor``, Hugging
+    Face's memory tracker) reports the highest allocation since the user's last reset, as
+    without the probe: the allocator's peak is raised to it by one block taken and given back
+    at once from its cache (``caching_allocator_alloc``). ``max_memory_reserved`` is not put
+    back (raising it would reserve memory).
 
     Args:
         device: A ``cuda`` or ``xpu`` device.
+        module: The device module (``torch.cuda`` or ``torch.xpu`` by default); a stand-in
+            such as ``elastic_batches.testing.StandInCuda`` to run on a CPU.
 
     Raises:
         ValueError: the device is of another type, or its backend is not available.
@@ -127,20 +138,22 @@ class AcceleratorProbe(MemoryProbe):
         AcceleratorProbe measures cuda or xpu memory, not cpu
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *, module: Any = None) -> None:
         device = torch.device(device)
         if device.type not in ("cuda", "xpu"):
             raise ValueError(
                 f"AcceleratorProbe measures cuda or xpu memory, not {device.type}: use device_probe(device), which "
                 "gives None where torch has no memory statistics"
             )
-        module: Any = getattr(torch, device.type)
+        if module is None:
+            module = getattr(torch, device.type)
         if not module.is_available():
             raise ValueError(f"AcceleratorProbe: torch.{device.type} is not available in this process")
         if device.index is None:
             device = torch.device(device.type, module.current_device())
         self.device = device
         self._module = module
+        self._user_peak: int | None = None  # the peak since the user's last reset, while windows are open
 
     def __repr__(self) -> str:
         return f"AcceleratorProbe({str(self.device)!r})"
@@ -157,11 +170,50 @@ class AcceleratorProbe(MemoryProbe):
         return MemoryReading(int(module.memory_allocated(device)), capacity)
 
     def start_window(self) -> int:
-        self._module.reset_peak_memory_stats(self.device)
-        return int(self._module.memory_allocated(self.device))
+        module, device = self._module, self.device
+        peak = int(module.max_memory_allocated(device))  # the user's peak, then the last window's
+        self._user_peak = peak if self._user_peak is None else max(self._user_peak, peak)
+        module.reset_peak_memory_stats(device)
+        return int(module.memory_allocated(device))
+
+    def finish(self) -> None:
+        """Raise the allocator's peak back to the highest allocation since the user's last reset."""
+        if self._user_peak is None:
+            return
+        module, device = self._module, self.device
+        peak, self._user_peak = self._user_peak, None
+        missing = peak - int(module.memory_allocated(device))
+        if peak <= int(module.max_memory_allocated(device)) or not hasattr(module, "caching_allocator_alloc"):
+            return
+        try:  # allocated bytes are multiples of 512, as the allocator rounds: the peak becomes exactly `peak`
+            pointer = module.caching_allocator_alloc(missing, device)
+        except RuntimeError:  # no cached block that large, and no room for one: leave the peak lower
+            return
+        module.caching_allocator_delete(pointer)
 
     def window_peak(self) -> int:
         return int(self._module.max_memory_allocated(self.device))
+
+
+def active_probe() -> MemoryProbe | None:
+    """The innermost :class:`MemoryProbe` active as a dispatch mode (``with MemoryBudget(...):``), or ``None``.
+
+    ``ElasticStep(memory="auto")`` measures with it before it looks for the device's probe, so a
+    script run on a CPU under a budget predicts exactly as it will on a GPU.
+
+    Example:
+        >>> from elastic_batches.memory import active_probe
+        >>> from elastic_batches.testing import MemoryBudget
+        >>> with MemoryBudget(limit_bytes=1 << 20) as budget:
+        ...     active_probe() is budget
+        True
+        >>> active_probe() is None
+        True
+    """
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryProbe):
+            return mode
+    return None
 
 
 def device_probe(device: torch.device | str | None) -> MemoryProbe | None:

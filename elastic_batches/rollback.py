@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from elastic_batches._warnings import warn_once
 from elastic_batches.oom import is_oom_error
@@ -57,11 +59,22 @@ def _running_stats(module: nn.Module) -> bool:
     return isinstance(module, _NormBase) and module.training and module.track_running_stats
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    """The state of ``device``'s default random generator (the CPU's, or an accelerator's)."""
+def _rng_module(device: torch.device) -> Any:
+    """The module holding ``device``'s default random generator, or ``None`` for a device without one (meta)."""
+    try:
+        module = torch.get_device_module(device)
+    except (RuntimeError, AttributeError):  # "Device 'meta' does not have a corresponding module"
+        return None
+    return module if callable(getattr(module, "get_rng_state", None)) else None
+
+
+def _rng_state(device: torch.device) -> torch.Tensor | None:
+    """The state of ``device``'s default random generator (the CPU's, or an accelerator's); ``None`` if it has none."""
     if device.type == "cpu":
         return torch.default_generator.get_state()
-    module = torch.get_device_module(device)
+    module = _rng_module(device)
+    if module is None:
+        return None
     return module.get_rng_state() if device.type == "mps" else module.get_rng_state(device)
 
 
@@ -74,6 +87,39 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         module.set_rng_state(state)
     else:
         module.set_rng_state(state, device)
+
+
+class _LazyState:
+    """A lazy module (``nn.LazyLinear``...) not yet initialised, as it was: undone if a failed attempt initialised it.
+
+    Its initialisation drew random numbers; undone, the retry initialises it again from the
+    rewound generators, and draws what a direct run draws.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.cls = type(module)
+        self.attributes = dict(module.__dict__)  # in_features and the hooks' handles among them
+        self.tensors = [
+            (tensor, type(tensor), tensor.data)
+            for tensor in (*module._parameters.values(), *module._buffers.values())
+            if isinstance(tensor, UninitializedTensorMixin)
+        ]
+
+    def undo(self) -> None:
+        module: Any = self.module
+        if type(module) is self.cls and all(isinstance(t, UninitializedTensorMixin) for t, _, _ in self.tensors):
+            return  # still uninitialised: nothing to undo
+        for tensor, cls, data in self.tensors:
+            tensor.data = data
+            tensor.__class__ = cls
+        module.__class__ = self.cls
+        module.__dict__.clear()
+        module.__dict__.update(self.attributes)
+        module._load_hook = module._register_load_state_dict_pre_hook(module._lazy_load_hook)
+        module._initialize_hook = module.register_forward_pre_hook(
+            module._infer_parameters, with_kwargs=True, prepend=True
+        )
 
 
 class Rollback:
@@ -101,15 +147,21 @@ class Rollback:
         self._first = True
         self._saved: list[_Saved] = []
         self._generators: list[tuple[torch.device, torch.Tensor]] = []
+        self._counts: list[tuple[nn.Module, int, int, int]] = []  # per module: buffers, parameters, submodules
+        self._lazy: list[_LazyState] = []
 
     def save(self, devices: Iterable[torch.device]) -> None:
         """Remember the buffers, and the random generators of ``devices`` (the CPU's among them), as they are now."""
-        self._generators = [(device, _rng_state(device)) for device in devices]
+        states = [(device, _rng_state(device)) for device in devices]
+        self._generators = [(device, state) for device, state in states if state is not None]
         saved: list[_Saved] = []
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
         mutable, copies, first = self._mutable, self._copies, self._first
-        for module in _modules_of(self.model):
+        modules = _modules_of(self.model)
+        self._counts = [(m, len(m._buffers), len(m._parameters), len(m._modules)) for m in modules]
+        self._lazy = [_LazyState(m) for m in modules if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+        for module in modules:
             buffers = module._buffers
             if not buffers:
                 continue
@@ -148,7 +200,21 @@ class Rollback:
             return False
 
     def restore(self) -> None:
-        """Put back what :meth:`save` remembered: buffer objects, their data, the generators."""
+        """Put back what :meth:`save` remembered: buffer objects, their data, the generators.
+
+        Buffers, parameters and submodules registered since (a module that registers state on
+        its first forward) are removed, and lazy modules initialised since are uninitialised.
+        """
+        for lazy in self._lazy:
+            lazy.undo()
+        for module, buffers_count, params_count, modules_count in self._counts:
+            for registry, count in (
+                (module._buffers, buffers_count),
+                (module._parameters, params_count),
+                (module._modules, modules_count),
+            ):
+                for name in list(registry)[count:]:  # names are kept in registration order: the new ones are last
+                    del registry[name]
         with torch.no_grad():
             for buffers, name, tensor, version, copy, always in self._saved:
                 if buffers.get(name) is not tensor:
@@ -172,6 +238,8 @@ class Rollback:
         """Drop what :meth:`save` remembered (a step that ended without going through)."""
         self._saved = []
         self._generators = []
+        self._counts = []
+        self._lazy = []
 
     def commit(self) -> None:
         """After a step that went through: learn which buffers it changed in place, and forget the step."""

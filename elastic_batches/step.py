@@ -17,8 +17,8 @@ from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES, Ballot, GradientSync, Verdict, gradient_sync_for
-from elastic_batches.memory import MemoryProbe, MemoryReading, check_memory, device_probe
-from elastic_batches.oom import ElasticOOMError, Status, is_oom_error, release_memory, status_of
+from elastic_batches.memory import MemoryProbe, MemoryReading, active_probe, check_memory, device_probe
+from elastic_batches.oom import ElasticOOMError, Status, clear_error, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
 
@@ -450,10 +450,10 @@ class ElasticStep:
                     del attempt
                     continue
                 status, error, started = attempt.status, attempt.error, attempt.started
+                attempt.error = attempt.meter = None  # the error's frames hold the attempt: a reference cycle
                 del attempt
                 self._learn_from_failure(verdict, status, error, batch, started, where)
-                # Drop the error before collecting: its traceback keeps the failed attempt's tensors alive
-                # through frames that clear_frames cannot reach (closure cells of hooked modules' forward).
+                clear_error(error)  # its frames held the attempt, and the attempt it: that cycle is broken
                 del error
                 release_memory()
                 if model is not None:
@@ -465,22 +465,24 @@ class ElasticStep:
             if learned is not None and model is not None and not isinstance(err, ElasticOOMError):
                 model.load_state_dict(learned)  # an error or an interrupt: nothing learned from the failed attempt
             raise
+        finally:
+            if probe is not None:
+                probe.finish()  # the device's peak statistics as the user would see them without the windows
 
     def _memory_probe(self) -> MemoryProbe | None:
         """The probe ``backward`` measures with, or ``None`` (no probe, or the controller predicts nothing)."""
         model = self.controller.memory
         if model is None or not model.enabled or self.memory is None:
             return None
-        if self._probe is None:
-            if isinstance(self.memory, MemoryProbe):
-                self._probe = self.memory
-            else:
-                first = next(iter(self.sync.parameters()), None)
-                device = self.device if self.device is not None else None if first is None else first.device
-                self._probe = device_probe(device)
-                if self._probe is None:
-                    self.memory = None  # no probe for this device: not looked for again
-        return self._probe
+        if isinstance(self.memory, MemoryProbe):
+            return self.memory
+        active = active_probe()  # "auto" inside `with MemoryBudget(...)`: that budget, as a GPU's probe would be
+        if active is None and self._probe is None:
+            first = next(iter(self.sync.parameters()), None)
+            self._probe = device_probe(
+                self.device if self.device is not None else None if first is None else first.device
+            )
+        return active if active is not None else self._probe
 
     def _forecast(self, attempt: _Attempt) -> int:
         """After an attempt, before the vote: what the model learned from it, and its prediction for the next."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from elastic_batches.lightning import Trainer
+from elastic_batches.lightning import ElasticAccumulation, Trainer
 from elastic_batches.testing import MemoryBudget
 
 
@@ -119,7 +119,10 @@ def main(quick: bool = False) -> dict[str, Any]:
     plain.fit(reference, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=256))
 
     model = Classifier()
-    trainer = Trainer(accumulate_grad_batches="auto", **trainer_kwargs(epochs))
+    # memory=None: learned from the OOMs alone, as described above (memory="auto" would measure with the budget)
+    trainer = Trainer(
+        accumulate_grad_batches="auto", callbacks=[ElasticAccumulation(memory=None)], **trainer_kwargs(epochs)
+    )
     with MemoryBudget(limit_bytes=limit) as memory:
         trainer.fit(model, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=256))
 

@@ -49,7 +49,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     # 2. One ElasticStep, sharing the loader's controller (the loader tags batches with what it learned).
-    step = eb.ElasticStep(model, controller=loader.controller, device=device)
+    step = eb.ElasticStep(model, controller=loader.controller, device=device, memory=None)  # learned from OOMs
 
     # 3. The loss of one microbatch, as a mean over its samples. It receives exactly what the plain
     #    DataLoader yields (here a list [features, labels]), cut to the microbatch's rows.

@@ -17,7 +17,7 @@ import torch
 
 from elastic_batches.memory import AcceleratorProbe, MemoryReading, device_probe
 from elastic_batches.memory_model import MemoryModel
-from elastic_batches.testing import MemoryBudget
+from elastic_batches.testing import MemoryBudget, StandInCuda
 
 
 def _linear(model: MemoryModel, fixed: int, per_unit: int, sizes: list[int], retained: int = 0) -> MemoryModel:
@@ -240,3 +240,59 @@ def test_the_cuda_probe_counts_the_allocator_cache_as_free_and_keeps_to_the_frac
     assert probe.memory_reading() == MemoryReading(6 * fake.GiB, capacity * fake.GiB)
     assert (probe.start_window(), probe.window_peak(), fake.resets) == (6 * fake.GiB, 7 * fake.GiB, 1)
     assert repr(probe) == "AcceleratorProbe('cuda:0')"
+
+
+# ---------------------------------------------------------------------------------------------
+# memory="auto" under an active budget; the user's peak statistics under the CUDA probe (a stand-in)
+
+
+def _mlp_step(memory: Any = "auto") -> tuple[torch.nn.Module, Any, Any]:
+    import elastic_batches as eb
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+    step = eb.ElasticStep(model, memory=memory)
+    batch = (torch.randn(128, 64), torch.randn(128, 1))
+
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (model(mb[0]) - mb[1]).pow(2).mean()
+
+    return model, step, lambda: step.backward(batch, loss_fn)
+
+
+def test_memory_auto_measures_with_the_active_memory_budget() -> None:
+    _, step, run = _mlp_step()
+    with MemoryBudget(limit_bytes=64 << 20):
+        run()
+    assert step.controller.memory is not None and step.controller.memory.ready  # it measured and fitted
+    _, outside, run_outside = _mlp_step()
+    run_outside()  # a CPU, no budget: no probe, nothing measured
+    assert outside.controller.memory is not None and not outside.controller.memory.ready
+
+
+def test_the_stand_in_refuses_a_device_without_an_index_where_cuda_does() -> None:
+    cuda = StandInCuda(64 << 20)
+    with pytest.raises(ValueError, match=r"Expected a torch.device with a specified index or an integer"):
+        cuda.set_per_process_memory_fraction(0.5, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"Expected a torch.device with a specified index or an integer"):
+        cuda.caching_allocator_alloc(512, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"Expected a cuda device, but got: cpu"):
+        cuda.memory_allocated(torch.device("cpu"))
+    assert cuda.memory_allocated(torch.device("cuda")) == 0  # the statistics take the current device
+
+
+@pytest.mark.parametrize("earlier", [0, 8 << 20], ids=["no-earlier-peak", "earlier-8-MiB-peak"])
+@pytest.mark.parametrize("probed", [False, True], ids=["memory-None", "cuda-probe"])
+def test_the_user_peak_statistics_after_a_step_report_the_true_maximum(earlier: int, probed: bool) -> None:
+    cuda = StandInCuda(256 << 20)
+    probe = AcceleratorProbe(torch.device("cuda", 0), module=cuda) if probed else None
+    _, step, run = _mlp_step(memory=probe)
+    with MemoryBudget() as truth, cuda.budget:  # `truth` sees every allocation and is never reset
+        cuda.reset_peak_memory_stats()  # the user's own reset, then an earlier peak of theirs
+        held = torch.empty(earlier // 4)
+        del held
+        run()
+    assert cuda.max_memory_allocated() == truth.peak_bytes >= earlier
+    assert cuda.memory_stats()["allocated_bytes.all.peak"] == truth.peak_bytes  # what DeviceStatsMonitor reads
+    if probed:
+        assert step.controller.memory is not None and step.controller.memory.ready  # it did measure per microbatch

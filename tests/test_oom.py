@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import elastic_batches as eb
-from elastic_batches.oom import release_memory
-from elastic_batches.testing import inject_oom
+from elastic_batches.oom import Status, is_nccl_oom, release_memory, status_of
+from elastic_batches.testing import MemoryBudget, inject_oom
 
 # Messages as the backends print them (RuntimeError, or a RuntimeError subclass in newer torch).
 OOM_MESSAGES = {
@@ -30,9 +30,24 @@ OOM_MESSAGES = {
     "cublas": "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
     "cudnn-alloc": "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
     "cudnn-workspace": "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "cuda-driver-api": "CUDA driver error: out of memory",
+    "cufft": "cuFFT error: CUFFT_ALLOC_FAILED",
+    "cusolver": "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`. If you keep "
+    "seeing this error, you may use `torch.backends.cuda.preferred_linalg_library()` to try linear algebra operators "
+    "with other supported backends.",
+    "cudnn9-host": "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED",
+    "cudnn9-device": "cuDNN Frontend error: [cudnn_frontend] Error: "
+    "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
     "hpu-device": "Device out of memory. Tried to allocate 4.00 GiB",
     "hpu-devmem": "synStatus=26 [Out of memory] PT_DEVMEM Allocation failed",
 }
+
+
+NCCL_OOM = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3375, unhandled cuda error (run with "
+    "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+    "Last error:\nCuda failure 'out of memory'"
+)
 
 
 @pytest.mark.parametrize("message", list(OOM_MESSAGES.values()), ids=list(OOM_MESSAGES))
@@ -40,9 +55,10 @@ def test_documented_runtime_error_messages_are_oom(message: str) -> None:
     assert eb.is_oom_error(RuntimeError(message))
 
 
-@pytest.mark.parametrize(
-    "message", [OOM_MESSAGES["cuda-driver"], OOM_MESSAGES["cublas"]], ids=["cuda-driver", "cublas"]
-)
+ACCELERATOR_OOMS = ["cuda-driver", "cuda-driver-api", "cublas", "cufft", "cusolver", "cudnn-alloc", "cudnn9-device"]
+
+
+@pytest.mark.parametrize("message", [OOM_MESSAGES[name] for name in ACCELERATOR_OOMS], ids=ACCELERATOR_OOMS)
 def test_accelerator_error_with_an_oom_message_is_oom(message: str) -> None:
     # torch >= 2.8 raises CUDA runtime errors (C10_CUDA_CHECK) as torch.AcceleratorError, a RuntimeError subclass.
     accelerator_error = getattr(torch, "AcceleratorError", RuntimeError)
@@ -66,6 +82,12 @@ def test_out_of_memory_error_type_is_oom(make: Callable[[], BaseException]) -> N
     "exc",
     [
         RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUDA error: unspecified launch failure"),
+        RuntimeError(
+            "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, m, n, k)`"
+        ),
+        RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"),
+        RuntimeError(NCCL_OOM),
         RuntimeError(
             "Trying to backward through the graph a second time (or directly access saved tensors after "
             "they have already been freed). Saved intermediate values of the graph are freed"
@@ -82,6 +104,10 @@ def test_out_of_memory_error_type_is_oom(make: Callable[[], BaseException]) -> N
     ],
     ids=[
         "illegal-memory-access",
+        "launch-failure",
+        "cublas-execution-failed",
+        "cudnn-execution-failed",
+        "nccl-oom",
         "graph-freed",
         "memory-format",
         "shape-mismatch",
@@ -96,6 +122,36 @@ def test_out_of_memory_error_type_is_oom(make: Callable[[], BaseException]) -> N
 )
 def test_other_errors_are_not_oom(exc: BaseException) -> None:
     assert not eb.is_oom_error(exc)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        NCCL_OOM,
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, internal error - please report this issue to the NCCL "
+        "developers, NCCL version 2.21.5\nncclInternalError: Internal check failed.\nLast error:\nFailed to CUDA "
+        "calloc async 24 bytes",
+    ],
+    ids=["unhandled-cuda-error", "calloc"],
+)
+def test_nccl_out_of_memory_is_an_error_that_names_its_cause(message: str) -> None:
+    error = torch.distributed.DistBackendError(message)
+    assert is_nccl_oom(error) and not eb.is_oom_error(error)
+    assert status_of(error) == Status.ERROR
+    assert status_of(error) == Status.ERROR  # the note is added once
+    assert error.__notes__ == [error.__notes__[0]]
+    assert "NCCL itself ran out of device memory" in error.__notes__[0]
+    assert "not safe to use again" in error.__notes__[0]
+
+
+def test_a_caching_allocator_oom_in_a_collective_is_an_ordinary_oom() -> None:
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (all_reduce output, NCCL)")
+    assert eb.is_oom_error(error) and not is_nccl_oom(error)
+
+
+def test_nccl_errors_other_than_out_of_memory_are_not_nccl_oom() -> None:
+    error = torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:3375, remote process exited")
+    assert not is_nccl_oom(error) and status_of(error) == Status.ERROR and not hasattr(error, "__notes__")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,3 +237,40 @@ def test_no_reference_to_the_failed_microbatch_survives_an_evaluate_retry() -> N
         outputs = step.evaluate(x, fn)
     assert torch.allclose(torch.cat(outputs), model(x))
     assert len(refs) == 2 + 4 and [ref() for ref in refs[:2]] == [None, None]
+
+
+def _containers(count: int) -> list[list[int]]:
+    """``count`` short-lived containers: enough make the collector promote what is alive to its oldest generation."""
+    return [[index] for index in range(count)]
+
+
+@pytest.mark.parametrize("containers", [0, 30_000, 200_000], ids=["0-containers", "30k-containers", "200k-containers"])
+@pytest.mark.parametrize("probe", [False, True], ids=["no-probe", "probe"])
+@pytest.mark.parametrize("where", ["backward", "evaluate"])
+def test_the_failed_microbatch_is_freed_before_the_retry_first_forward(
+    containers: int, probe: bool, where: str
+) -> None:
+    model = _model()
+    memory = MemoryBudget(limit_bytes=1 << 30) if probe else None  # a probe with a limit measures every attempt
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2), memory=memory)
+    made: list[weakref.ref[torch.Tensor]] = []
+    alive_at_retry: list[bool] = []
+
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if made and not alive_at_retry:
+            alive_at_retry.append(made[0]() is not None)
+        loss = (model(mb[0]) - mb[1]).pow(2).mean()
+        if not made and len(mb[0]) >= 4:
+            activation = model[0](mb[0]) * 2.0
+            made.append(weakref.ref(activation))
+            junk = _containers(containers)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (test, {len(junk)} containers)")
+        return loss
+
+    batch = (torch.randn(16, 4), torch.randn(16, 1))
+    if where == "backward":
+        step.backward(batch, loss_fn)
+    else:
+        with torch.no_grad():
+            step.evaluate(batch, loss_fn)
+    assert made and alive_at_retry == [False]

@@ -288,7 +288,7 @@ def test_memory_budget_run_settles_and_matches_the_reference() -> None:
     model, batches = _model(width=256), [_batch(64, seed=s) for s in range(6)]
     limit = (_peak(model, batches[0], 3) + _peak(model, batches[0], 4)) // 2
     controller = eb.SplitController()
-    step = eb.ElasticStep(model, controller=controller)
+    step = eb.ElasticStep(model, controller=controller, memory=None)  # the OOM-driven search alone
     budget = MemoryBudget(limit)
     ooms = []
     for batch in batches:

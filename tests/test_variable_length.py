@@ -190,7 +190,7 @@ def test_count_fn_is_exact_across_two_ranks_with_different_token_counts(
 
 def _train_stream(unit: str, limit: int, stream: list[list[dict[str, Any]]]) -> tuple[list[int], list[int]]:
     model = TinyCausalLM(dim=256, vocab=64, dtype=torch.float32)
-    step = eb.ElasticStep(model, controller=eb.SplitController(unit=unit))
+    step = eb.ElasticStep(model, controller=eb.SplitController(unit=unit), memory=None)  # OOMs teach it, not a probe
     budget = MemoryBudget(limit_bytes=limit)
     ooms, counts = [], []
     for samples in stream:
@@ -365,6 +365,7 @@ def test_raw_strings_per_sample_follow_their_token_ids_into_each_microbatch() ->
 def test_causal_lm_example_runs_quick() -> None:
     example = runpy.run_path(str(ROOT / "examples" / "causal_lm.py"), run_name="causal_lm_example")
     summary = example["main"](quick=True)
-    assert summary["ooms"] >= 1 and summary["max_split_count"] > 1
+    # memory="auto" measures with the active MemoryBudget: the split is predicted, at most 1 OOM to settle
+    assert summary["ooms"] <= 1 and summary["max_split_count"] > 1
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["gradient_error"] < RTOL

@@ -15,6 +15,8 @@ same path it takes on a GPU:
   :func:`inject_oom_in_all_gather` and :func:`inject_oom_in_reduce_scatter` in the allocation
   of an FSDP2 collective's buffer, :func:`inject_oom_in_stand_in` in that of the buffer a rank
   stands in for its script's collectives with.
+* :class:`StandInCuda` stands in for ``torch.cuda``'s memory functions on a CPU, over a
+  ``MemoryBudget`` with the caching-allocator model, checking their arguments as the real ones.
 * :class:`AddressSpaceLimit` makes the real CPU allocator refuse (Linux): a limit on the
   process's address space, under which torch raises its own ``DefaultCPUAllocator: can't
   allocate memory``.
@@ -28,6 +30,7 @@ from elastic_batches.testing.collectives import (
     inject_oom_in_reduce_scatter,
     inject_oom_in_stand_in,
 )
+from elastic_batches.testing.cuda import StandInCuda
 from elastic_batches.testing.injection import (
     OOMInjection,
     inject_oom,
@@ -42,6 +45,7 @@ __all__ = [
     "AddressSpaceLimit",
     "MemoryBudget",
     "OOMInjection",
+    "StandInCuda",
     "address_space_bytes",
     "inject_oom",
     "inject_oom_in_all_gather",

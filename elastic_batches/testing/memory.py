@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from elastic_batches.memory import MemoryProbe, MemoryReading
+from elastic_batches.testing.allocator import ALLOCATORS, Block, CachingAllocator
 
 __all__ = ["MemoryBudget"]
 
@@ -69,10 +70,11 @@ class _StorageRef(weakref.ref):
     shrinks, when the storage is resized below it: what a storage holds beyond it is counted.
     """
 
-    __slots__ = ("base", "key", "nbytes")
+    __slots__ = ("base", "block", "key", "nbytes")
     key: int
     nbytes: int
     base: int
+    block: Block | None  # the simulated allocator's block for the counted bytes (allocator="exact": None)
 
 
 # Storage resizes (``untyped_storage().resize_()``, how FSDP2 frees and re-allocates unsharded
@@ -143,12 +145,25 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
     and backward of a 3-layer 256-wide MLP goes from 0.65 ms to 1.3 ms. Wrap whole training
     steps freely, but keep test models small.
 
+    With ``allocator="caching"`` the limit is on the bytes a model of CUDA's caching allocator
+    reserves (:mod:`elastic_batches.testing.allocator`): requests rounded to 512 bytes, served
+    from 2 MiB segments (up to 1 MiB), 20 MiB segments (under 10 MiB) or segments rounded to
+    2 MiB, freed blocks cached and reused best-fit with splitting, and cached segments released
+    before an OOM is raised, so that a fragmented cache can run out of memory with fewer live
+    bytes than the limit, as a GPU does. ``allocator="expandable"`` models
+    ``expandable_segments:True`` (2 MiB pages, no fragmentation across segments).
+    ``reserved_bytes``, ``peak_reserved_bytes`` and :meth:`empty_cache` report and release the
+    cache; ``live_bytes`` stays the bytes of live storages (what ``memory_allocated`` reports,
+    less the rounding).
+
     Args:
-        limit_bytes: Bytes of live storage allowed before an op raises, or ``None`` to only
-            measure. Must be ``>= 0``.
+        limit_bytes: Bytes of live storage (reserved bytes with a caching allocator) allowed
+            before an op raises, or ``None`` to only measure. Must be ``>= 0``.
+        allocator: ``"exact"`` (default): count live storage bytes; ``"caching"``: CUDA's
+            caching allocator; ``"expandable"``: its ``expandable_segments:True`` mode.
 
     Raises:
-        ValueError: If ``limit_bytes`` is negative.
+        ValueError: If ``limit_bytes`` is negative, or ``allocator`` is none of the three.
         TypeError: If ``limit_bytes`` is not an integer or ``None``.
 
     Example:
@@ -176,8 +191,18 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
         1024
     """
 
-    def __init__(self, limit_bytes: int | None = None) -> None:
+    def __init__(self, limit_bytes: int | None = None, *, allocator: str = "exact") -> None:
         super().__init__()
+        if allocator not in ALLOCATORS:
+            raise ValueError(
+                f"MemoryBudget: allocator must be one of {list(ALLOCATORS)}, got {allocator!r}: 'exact' counts the "
+                "bytes of live storages, 'caching' models CUDA's caching allocator, 'expandable' its "
+                "expandable_segments:True mode"
+            )
+        self.allocator = allocator
+        self._allocator = None if allocator == "exact" else CachingAllocator(expandable=allocator == "expandable")
+        self._peak_reserved = 0
+        self._pending: dict[int, Block | None] = {}  # storage resizes checked, not yet counted: their new blocks
         self._limit: int | None = None
         self.limit_bytes = limit_bytes
         self._live = 0
@@ -185,14 +210,14 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
         self._earlier_peak = 0  # the highest peak of the windows before it
         self._oom_count = 0
         tracked: dict[int, _StorageRef] = {}
-        freed: collections.deque[int] = collections.deque()
+        freed: collections.deque[_StorageRef] = collections.deque()
 
         # Runs when a counted storage dies, possibly on another thread (autograd, data loaders):
-        # it only pops and appends, which are atomic; the bytes are subtracted on the next read.
+        # it only pops and appends, which are atomic; the bytes (and blocks) are freed on the next read.
         def on_free(ref: weakref.ref[Any]) -> None:
             assert isinstance(ref, _StorageRef)
             if tracked.pop(ref.key, None) is ref:
-                freed.append(ref.nbytes)
+                freed.append(ref)
 
         self._tracked = tracked
         self._freed = freed
@@ -249,7 +274,11 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
         return new - base - counted, base
 
     def _check_resize(self, key: int, old: int, new: int) -> None:
-        delta, _ = self._resize_delta(key, old, new)
+        delta, base = self._resize_delta(key, old, new)
+        if self._allocator is not None:
+            if delta != 0:  # a storage resized is a new allocation, then the old one freed
+                self._pending[key] = self._malloc([new - base], "storage resize")[0]
+            return
         if delta <= 0 or self._limit is None:
             return
         live = self._drain()
@@ -263,13 +292,16 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
     def _count_resize(self, storage: torch.UntypedStorage, key: int, old: int, new: int) -> None:
         delta, base = self._resize_delta(key, old, new)
         ref = self._tracked.get(key)
+        block = self._pending.pop(key, None)
         if ref is None:
             if delta <= 0:
                 return  # bytes it had from before the mode: never counted, nothing to free
             ref = _StorageRef(storage, self._on_free)
-            ref.key, ref.nbytes, ref.base = key, 0, base
+            ref.key, ref.nbytes, ref.base, ref.block = key, 0, base, None
             self._tracked[key] = ref
         ref.nbytes += delta
+        if delta != 0:
+            self._replace_block(ref, block)
         ref.base = base
         live = self._drain() + delta
         self._live = live
@@ -277,10 +309,46 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
             self._peak = live
 
     def _drain(self) -> int:
-        freed = self._freed
+        freed, allocator = self._freed, self._allocator
         while freed:
-            self._live -= freed.popleft()
+            ref = freed.popleft()
+            self._live -= ref.nbytes
+            if ref.block is not None and allocator is not None:
+                allocator.free(ref.block)
         return self._live
+
+    def _malloc(self, sizes: list[int], what: str) -> list[Block | None]:
+        """The simulated allocator's blocks for ``sizes`` bytes each (none for 0 bytes); the OOM if one does not fit."""
+        allocator = self._allocator
+        assert allocator is not None
+        self._drain()
+        blocks: list[Block | None] = []
+        for nbytes in sizes:
+            block = allocator.malloc(nbytes, limit=self._limit) if nbytes else None
+            if nbytes and block is None:
+                for taken in blocks:
+                    if taken is not None:
+                        allocator.free(taken)
+                self._oom_count += 1
+                limit = self._limit or 0
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {_format_bytes(nbytes)}. GPU 0 has a total capacity of "
+                    f"{_format_bytes(limit)} of which {_format_bytes(max(limit - allocator.reserved_bytes, 0))} is "
+                    f"free. Of the allocated memory {_format_bytes(allocator.allocated_bytes)} is allocated by "
+                    f"PyTorch, and {_format_bytes(allocator.reserved_bytes - allocator.allocated_bytes)} is reserved "
+                    f"by PyTorch but unallocated (elastic_batches.testing.MemoryBudget, {self.allocator} allocator, "
+                    f"{what})"
+                )
+            blocks.append(block)
+        if allocator.reserved_bytes > self._peak_reserved:
+            self._peak_reserved = allocator.reserved_bytes
+        return blocks
+
+    def _replace_block(self, ref: _StorageRef, block: Block | None) -> None:
+        """Give a counted storage its new block (after a resize), freeing the old one."""
+        old, ref.block = ref.block, block
+        if old is not None and self._allocator is not None:
+            self._allocator.free(old)
 
     @property
     def live_bytes(self) -> int:
@@ -323,8 +391,55 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
         """
         return self._oom_count
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the simulated allocator holds (live blocks, and cached segments); ``live_bytes`` with ``"exact"``.
+
+        Example:
+            >>> budget = MemoryBudget(allocator="caching")
+            >>> with budget:
+            ...     x = torch.ones(1000)  # 4000 bytes: a 2 MiB segment of the small pool
+            >>> budget.live_bytes, budget.reserved_bytes
+            (4000, 2097152)
+        """
+        live = self._drain()  # frees the blocks of storages that died
+        return live if self._allocator is None else self._allocator.reserved_bytes
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """Highest ``reserved_bytes`` since creation or the last :meth:`reset_peak` (``peak_bytes`` with ``"exact"``).
+
+        Example:
+            >>> budget = MemoryBudget(allocator="caching")
+            >>> with budget:
+            ...     x = torch.ones(1 << 20)  # 4 MiB: a 20 MiB segment of the large pool
+            ...     del x
+            >>> budget.empty_cache(), budget.reserved_bytes, budget.peak_reserved_bytes >> 20
+            (None, 0, 20)
+        """
+        if self._allocator is None:
+            return self.peak_bytes
+        return max(self._peak_reserved, self.reserved_bytes)
+
+    def empty_cache(self) -> None:
+        """Release the cached segments that hold no live block, as ``torch.cuda.empty_cache()`` does.
+
+        With ``allocator="exact"`` nothing is cached and nothing happens.
+
+        Example:
+            >>> budget = MemoryBudget(allocator="caching")
+            >>> with budget:
+            ...     x = torch.ones(1000)
+            ...     del x
+            >>> budget.reserved_bytes, (budget.empty_cache(), budget.reserved_bytes)[1]
+            (2097152, 0)
+        """
+        if self._allocator is not None:
+            self._drain()
+            self._allocator.empty_cache()
+
     def reset_peak(self) -> None:
-        """Sets ``peak_bytes`` to the current ``live_bytes``.
+        """Sets ``peak_bytes`` to the current ``live_bytes`` (and ``peak_reserved_bytes`` to ``reserved_bytes``).
 
         Example:
             >>> with MemoryBudget() as budget:
@@ -336,6 +451,7 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
         """
         self._peak = self._drain()
         self._earlier_peak = 0
+        self._peak_reserved = self.reserved_bytes if self._allocator is not None else 0
 
     def memory_reading(self) -> MemoryReading:
         """``live_bytes`` and ``limit_bytes``, as a :class:`~elastic_batches.memory.MemoryProbe` reports them.
@@ -416,8 +532,15 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
         if not new and not grown:
             return out
 
+        blocks: list[Block | None] = []
+        if self._allocator is not None:
+            try:
+                blocks = self._malloc([n for _, _, n in new] + [n for _, n in grown], f"op {func}")
+            except torch.OutOfMemoryError:
+                del out, new, grown, candidates  # nothing of the failed op stays alive through the traceback
+                raise
         live = self._drain() if self._freed else self._live
-        limit = self._limit
+        limit = None if self._allocator is not None else self._limit
         if limit is not None and live + extra > limit:
             self._oom_count += 1
             del out, new, grown, candidates  # nothing of the failed op stays alive through the traceback
@@ -425,14 +548,18 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
                 f"CUDA out of memory. Tried to allocate {_format_bytes(extra)}; {_format_bytes(live)} in use, "
                 f"limit {_format_bytes(limit)} (elastic_batches.testing.MemoryBudget, op {func})"
             )
+        taken = iter(blocks) if blocks else None
         for st, key, nbytes in new:
             ref = _StorageRef(st, self._on_free)
             ref.key = key
             ref.nbytes = nbytes
             ref.base = 0
+            ref.block = None if taken is None else next(taken)
             tracked[key] = ref
         for ref, nbytes in grown:
             ref.nbytes = nbytes
+            if taken is not None:
+                self._replace_block(ref, next(taken))
         live += extra
         self._live = live
         if live > self._peak:
@@ -441,7 +568,9 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
 
     def __repr__(self) -> str:
         limit = "None" if self._limit is None else _format_bytes(self._limit)
+        reserved = "" if self._allocator is None else f", reserved={_format_bytes(self.reserved_bytes)}"
+        allocator = "" if self._allocator is None else f", allocator={self.allocator!r}"
         return (
-            f"MemoryBudget(limit={limit}, live={_format_bytes(self.live_bytes)}, "
-            f"peak={_format_bytes(self.peak_bytes)}, ooms={self._oom_count})"
+            f"MemoryBudget(limit={limit}, live={_format_bytes(self.live_bytes)}{reserved}, "
+            f"peak={_format_bytes(self.peak_bytes)}, ooms={self._oom_count}{allocator})"
         )

@@ -83,7 +83,7 @@ def oom_retry_cycles(cycles: int = 200, warmup: int = 10) -> dict[str, Any]:
     batch = (torch.randn(64, 16), torch.randn(64, 1))
     limit = (peak_at(model, batch, 1) + peak_at(model, batch, 2)) // 2
     controller = eb.SplitController(grow_after=1)
-    step = eb.ElasticStep(model, controller=controller)
+    step = eb.ElasticStep(model, controller=controller, memory=None)  # the OOM-driven search: no prediction
     budget = MemoryBudget(None)
     loss_fn = mse(model)
 
@@ -132,7 +132,7 @@ def shrinking_memory(batches: int = 6) -> dict[str, Any]:
     peaks = {k: peak_at(model, data[0], k) for k in (1, 2, 3, 4)}
     limits = [peaks[1] + 1, (peaks[1] + peaks[2]) // 2, (peaks[2] + peaks[3]) // 2, (peaks[3] + peaks[4]) // 2]
     controller = eb.SplitController()
-    step = eb.ElasticStep(model, controller=controller)
+    step = eb.ElasticStep(model, controller=controller, memory=None)  # the OOM-driven search: no prediction
     budget = MemoryBudget(None)
     settled, ooms, errors = [], [], []
     for limit in limits:  # the device loses memory (fragmentation, another process)
@@ -167,7 +167,7 @@ def growing_memory(grow_after: int = 10) -> dict[str, Any]:
     batch = (torch.randn(48, 16), torch.randn(48, 1))
     tight = (peak_at(model, batch, 3) + peak_at(model, batch, 4)) // 2
     controller = eb.SplitController(grow_after=grow_after)
-    step = eb.ElasticStep(model, controller=controller)
+    step = eb.ElasticStep(model, controller=controller, memory=None)  # the OOM-driven search: no prediction
     budget = MemoryBudget(tight)
 
     def steps(n: int) -> None:

@@ -1,0 +1,62 @@
+"""``benchmarks/gpu_check.py`` run end to end on a CPU, against ``StandInCuda`` (the caching-allocator simulation).
+
+The script's every call to the device module goes through the stand-in, whose functions check
+their arguments as ``torch.cuda``'s do: a device without an index where CUDA needs one fails
+here as it would on a GPU. The checks that hold the step's own guarantees must pass; the
+prediction's targets under the caching allocator are reported, not asserted (see
+``docs/search.md``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_check  # noqa: E402
+
+GUARANTEES = [
+    "OOM in backward caught and retried",
+    "OOM in forward caught and retried",
+    "gradients within 1e-05 of the full batch's",
+    "failed attempt freed before the retry (30k containers)",
+    "user's peak kept after a probed step",
+    "disguised OOMs taken for OOMs",
+]
+
+
+@pytest.fixture(scope="module")
+def default_run() -> tuple[dict[str, bool], list[list[Any]], dict[str, Any]]:
+    dev = gpu_check._stand_in("default")
+    return gpu_check.run_checks(dev, gpu_check.Sizes(rows=2048, width=64, hidden=768), "default")
+
+
+@pytest.mark.parametrize("check", GUARANTEES)
+def test_the_gpu_check_passes_on_the_stand_in(default_run: Any, check: str) -> None:
+    checks, _, record = default_run
+    assert checks[check], (check, record)
+
+
+def test_the_gpu_check_reports_every_measure(default_run: Any) -> None:
+    checks, rows, record = default_run
+    assert len(checks) == 10 and len(rows) == 11
+    assert record["forward"]["ooms"] >= 1 and record["forward"]["slack_at_ooms"]  # reserved - allocated at OOMs
+    assert len(record["predicted"]["counts"]) == gpu_check.PREDICTED_STEPS
+
+
+def test_a_cap_without_a_device_index_fails_on_the_stand_in_as_on_cuda() -> None:
+    dev = gpu_check._stand_in("default")
+    dev.index = torch.device("cuda")  # what benchmarks/cuda_oom.py passed before
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        dev.cap(1 << 20)
+
+
+def test_without_a_gpu_the_command_says_so_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the command would run the real check")
+    assert gpu_check.main([]) == 0
+    assert "no CUDA device here" in capsys.readouterr().out
