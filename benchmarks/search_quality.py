@@ -36,9 +36,11 @@ until settled in at least 90% of the cases and at most 1 in every case; settled 
 ``--allocator caching`` (or ``expandable``) runs the third table under the caching-allocator
 simulation (``MemoryBudget(allocator=...)``: limits, peaks and the probe's capacity are then in
 reserved bytes, segments and their unused ends included), and ``--model heavy`` on a transformer
-whose activations are MiB-sized (so that segment sizes matter); ``--lm-only`` skips the first two
-tables. With a predictor, the table also counts the runs whose margin grew (an OOM the memory
-model did not predict).
+whose activations are MiB-sized (so that segment sizes matter), ``--model gradients`` on an MLP
+8-128-128-1 whose peak is mostly the gradient being accumulated (bytes per microbatch) and
+``--model activations`` on an MLP 8-1024-1 whose peak is mostly activations (bytes per row), each on
+batches of 128 and 512 rows; ``--lm-only`` skips the first two tables. With a predictor, the
+table also counts the runs whose margin grew (an OOM the memory model did not predict).
 
 Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact).
 """
@@ -302,11 +304,44 @@ HEAVY_COUNTS = (1, 2, 3, 4, 8) if QUICK else (1, 2, 3, 4, 6, 8, 16)
 WIDENED: list[int] = []  # per predicted run: 1 if its margin grew
 
 
+# --model gradients / activations: MLPs whose peak is mostly the gradient being accumulated (bytes per
+# microbatch: a line through the origin took it for bytes per row) or mostly activations (bytes per row)
+MLPS = {"gradients": (8, 128, 128, 1), "activations": (8, 1024, 1)}
+MLP_BATCHES = (128, 512)
+MLP_COUNTS = (1, 2, 3, 4, 6, 8, 16) if QUICK else (1, 2, 3, 4, 6, 8, 12, 16, 32)
+WIDTHS: tuple[int, ...] | None = None  # set by --model gradients / activations
+
+
+def _mlp(widths: tuple[int, ...]) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(widths, widths[1:], strict=False):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _loss(model: torch.nn.Module, mb: object) -> torch.Tensor:
+    """The LM's token loss, or the MLP's mean squared error."""
+    if WIDTHS is None:
+        return lm_loss(model, mb)
+    x, y = mb["x"], mb["y"]  # type: ignore[index]
+    return (model(x) - y).pow(2).mean()
+
+
 def _lm(rows: int) -> tuple[torch.nn.Module, ElasticBatch]:
     torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(rows)
+    if WIDTHS is not None:
+        x = torch.randn(rows, WIDTHS[0], generator=generator)
+        return _mlp(WIDTHS), ElasticBatch.wrap({"x": x, "y": torch.randn(rows, 1, generator=generator)})
     model = LM.model()
-    tokens = torch.randint(LM.vocab_size, (rows, LM.seq_len + 1), generator=torch.Generator().manual_seed(rows))
+    tokens = torch.randint(LM.vocab_size, (rows, LM.seq_len + 1), generator=generator)
     return model, ElasticBatch.wrap({"tokens": tokens})
+
+
+def _workload() -> str:
+    if WIDTHS is not None:
+        return f"MLP {'-'.join(map(str, WIDTHS))}"
+    return f"{'memory-heavy' if LM is HEAVY else 'tiny'} transformer LM"
 
 
 def _peaks(rows: int) -> Callable[[int], int]:
@@ -316,7 +351,7 @@ def _peaks(rows: int) -> Callable[[int], int]:
 
     def peak(count: int) -> int:
         if count not in peaks:
-            peaks[count] = peak_at(model, lambda mb: lm_loss(model, mb), batch, count, allocator=ALLOCATOR)
+            peaks[count] = peak_at(model, lambda mb: _loss(model, mb), batch, count, allocator=ALLOCATOR)
         return peaks[count]
 
     return peak
@@ -348,7 +383,7 @@ def lm_cases() -> list[tuple[int, int, int, str]]:
 def lm_run(policy: str, rows: int, limit: int) -> tuple[int, int, int, list[int]]:
     """OOMs until the count stopped changing, the settled count, OOMs after it, and each step's count."""
     model, batch = _lm(rows)
-    runner = make(policy, model, lambda mb: lm_loss(model, mb), MemoryBudget(limit, allocator=ALLOCATOR))
+    runner = make(policy, model, lambda mb: _loss(model, mb), MemoryBudget(limit, allocator=ALLOCATOR))
     ooms, counts = [], []
     for _ in range(LM_STEPS):
         spent, count = runner.step(batch)
@@ -407,7 +442,7 @@ def lm_main() -> None:
     for policy in LM_POLICIES:
         headers += [f"{policy} OOMs", f"{policy} mbs", f"{policy} OOMs after"]
     print(
-        f"\n{'memory-heavy' if LM is HEAVY else 'tiny'} transformer LM under MemoryBudget(allocator={ALLOCATOR!r}): "
+        f"\n{_workload()} under MemoryBudget(allocator={ALLOCATOR!r}): "
         f"{len(cases)} (batch, limit) cases, {LM_STEPS} steps each"
     )
     print(table(headers, rows_out))
@@ -453,12 +488,14 @@ def lm_main() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allocator", choices=["exact", "caching", "expandable"], default="exact")
-    parser.add_argument("--model", choices=["tiny", "heavy"], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "heavy", *MLPS], default="tiny")
     parser.add_argument("--lm-only", action="store_true", help="skip the size-oracle tables")
     args = parser.parse_args()
     ALLOCATOR = args.allocator
     if args.model == "heavy":
         LM, LM_BATCHES, LM_COUNTS = HEAVY, HEAVY_BATCHES, HEAVY_COUNTS
+    elif args.model in MLPS:
+        WIDTHS, LM_BATCHES, LM_COUNTS = MLPS[args.model], MLP_BATCHES, MLP_COUNTS
     if not args.lm_only:
         main()
     lm_main()

@@ -169,8 +169,9 @@ def measured_pieces(
         else:
             rest = load.tail(start)
             count = _rest_count(controller, meter, rest, index, attempt.size)
-            if index == 2 and not meter.model.spread:  # two sizes 1.5x apart: the line's slope
-                count = min(count, max(1, left // math.ceil(SPREAD * len(made[-1]))))
+            spread = math.ceil(SPREAD * len(made[-1]))
+            if index == 2 and not meter.model.spread and not meter.model.failed_at(load.cost(start, start + spread)):
+                count = min(count, -(-left // spread))  # a piece of about 1.5x the last: the line's slope
             count = sync.agree_pieces(min(count, room), room)
             take, planned = rest.sizes(count, min_rows=smallest)[0], index + count
         take = max(take, smallest)

@@ -434,9 +434,9 @@ class SplitController:
         """
         model = self.memory
         assert model is not None
-        size = model.largest(memory, started=started)
+        size = model.largest(memory, started=started, cautious=started)
         if not model.wrong:
-            exact = model.largest(memory, started=started, margin=0.0)
+            exact = model.largest(memory, started=started, margin=0.0, cautious=started)
             size = max(size, exact - exact // 20)
         return size
 

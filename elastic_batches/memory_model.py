@@ -79,7 +79,7 @@ _FIRSTS = 4  # first microbatches' increments kept
 _FAILURES = 4
 SPREAD = 1.5  # sizes this far apart give the line its slope
 _FELL = 0.05  # a measurement this far below the sizes measured around it: memory per microbatch fell
-_GREW = 0.25  # this far above: memory per microbatch grew (a layer unfrozen, longer shapes)
+_GREW = 1.0  # this far above (twice): memory per microbatch grew (a layer unfrozen, longer shapes)
 _MAX_MARGIN = 0.5
 _MAX_WRONG = 4  # OOMs the model did not predict, before prediction turns off
 _BACKWARD = 1.25  # a microbatch's peak over what its forward held: its saved activations, a quarter more
@@ -191,7 +191,7 @@ class MemoryModel:
 
     # -- what it predicts ---------------------------------------------------------------------
 
-    def increment(self, size: int) -> int:
+    def increment(self, size: int, *, cautious: bool = False) -> int:
         """Bytes a microbatch of ``size`` needs over the memory in use before it.
 
         Up to the largest size measured, the line, or the chord between the two sizes measured
@@ -201,9 +201,10 @@ class MemoryModel:
         backward frees: the saved activations, and a quarter more for their gradients). A
         failure raises it from its size on (see :meth:`observe_failure`).
         """
-        return math.ceil(round(max(self._measured(size), self._failed(size)), 6))  # not a byte more for float rounding
+        measured = self._measured(size, cautious=cautious)
+        return math.ceil(round(max(measured, self._failed(size)), 6))  # not a byte more for float rounding
 
-    def _measured(self, size: int) -> float:
+    def _measured(self, size: int, *, cautious: bool = False) -> float:
         """What the measurements say: between two sizes measured, the chord between them where it lies below
         the line (a peak that grows faster at larger sizes lies under its chords); beyond the largest, the line
         and the continuation of the slope there."""
@@ -212,7 +213,8 @@ class MemoryModel:
         if top is None:
             return line
         if size > top[0]:
-            return top[1] + self._beyond_slope() * (size - top[0])
+            slope = max(self._beyond_slope(), top[1] / top[0]) if cautious else self._beyond_slope()
+            return top[1] + slope * (size - top[0])
         sizes = sorted(self._later)
         above = bisect.bisect_left(sizes, size)
         if above == 0 or sizes[above] == size:
@@ -267,13 +269,18 @@ class MemoryModel:
         """Bytes an attempt whose largest microbatch has ``size`` needs over the memory in use at its start."""
         return (self.retained or 0) + self.increment(size)
 
-    def largest(self, reading: MemoryReading, *, started: bool = False, margin: float | None = None) -> int:
+    def largest(
+        self, reading: MemoryReading, *, started: bool = False, margin: float | None = None, cautious: bool = False
+    ) -> int:
         """The largest microbatch (in the unit) whose predicted peak keeps ``margin`` of the capacity free.
 
         Args:
             reading: The memory now.
             started: The attempt has run its first microbatch: ``retained`` is in use already.
             margin: Another margin than the model's own (0: the capacity whole).
+            cautious: Beyond the largest size measured, at least that size's bytes per unit (the line
+                through the origin there): while a batch is measured, its pieces grow from a few small
+                sizes, whose slope under-estimates larger ones.
 
         Returns:
             A size, 0 when not even the fixed part fits or nothing is known.
@@ -286,12 +293,12 @@ class MemoryModel:
         if available < self.fixed:
             return 0
         high = 1  # the increment never falls with the size: the largest size that fits, by bisection
-        while self.increment(high) <= available and high < _LARGEST:
+        while self.increment(high, cautious=cautious) <= available and high < _LARGEST:
             high *= 2
         low = 0
         while low < high:
             middle = (low + high + 1) // 2
-            low, high = (middle, high) if self.increment(middle) <= available else (low, middle - 1)
+            low, high = (middle, high) if self.increment(middle, cautious=cautious) <= available else (low, middle - 1)
         return low
 
     def observe(self, size: int, increment: int, *, first: bool, forward: int | None = None) -> None:
@@ -332,6 +339,10 @@ class MemoryModel:
         if self._later and min(self._later) < size < max(self._later):
             return self._measured(size)
         return 0.0
+
+    def failed_at(self, size: int) -> bool:
+        """Whether a microbatch of ``size`` or smaller ran out of memory (a failure the model still holds)."""
+        return any(failed <= size for failed in self._failures)
 
     def observe_retained(self, nbytes: int) -> None:
         """The memory in use grew by ``nbytes`` from the start of an attempt to its second microbatch."""

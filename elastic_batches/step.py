@@ -17,7 +17,7 @@ from elastic_batches.balance import BatchLoad
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES, Ballot, GradientSync, Verdict, gradient_sync_for
-from elastic_batches.memory import MemoryProbe, MemoryReading, active_probe, check_memory, device_probe
+from elastic_batches.memory import MemoryProbe, MemoryReading, check_memory, device_probe
 from elastic_batches.oom import ElasticOOMError, Status, clear_error, is_oom_error, release_memory, status_of
 from elastic_batches.rollback import Rollback
 from elastic_batches.structures import constant_tensors
@@ -476,13 +476,12 @@ class ElasticStep:
             return None
         if isinstance(self.memory, MemoryProbe):
             return self.memory
-        active = active_probe()  # "auto" inside `with MemoryBudget(...)`: that budget, as a GPU's probe would be
-        if active is None and self._probe is None:
+        if self._probe is None:
             first = next(iter(self.sync.parameters()), None)
             self._probe = device_probe(
                 self.device if self.device is not None else None if first is None else first.device
             )
-        return active if active is not None else self._probe
+        return self._probe
 
     def _forecast(self, attempt: _Attempt) -> int:
         """After an attempt, before the vote: what the model learned from it, and its prediction for the next."""

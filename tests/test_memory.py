@@ -243,7 +243,7 @@ def test_the_cuda_probe_counts_the_allocator_cache_as_free_and_keeps_to_the_frac
 
 
 # ---------------------------------------------------------------------------------------------
-# memory="auto" under an active budget; the user's peak statistics under the CUDA probe (a stand-in)
+# the user's peak statistics under the CUDA probe (a stand-in)
 
 
 def _mlp_step(memory: Any = "auto") -> tuple[torch.nn.Module, Any, Any]:
@@ -258,16 +258,6 @@ def _mlp_step(memory: Any = "auto") -> tuple[torch.nn.Module, Any, Any]:
         return (model(mb[0]) - mb[1]).pow(2).mean()
 
     return model, step, lambda: step.backward(batch, loss_fn)
-
-
-def test_memory_auto_measures_with_the_active_memory_budget() -> None:
-    _, step, run = _mlp_step()
-    with MemoryBudget(limit_bytes=64 << 20):
-        run()
-    assert step.controller.memory is not None and step.controller.memory.ready  # it measured and fitted
-    _, outside, run_outside = _mlp_step()
-    run_outside()  # a CPU, no budget: no probe, nothing measured
-    assert outside.controller.memory is not None and not outside.controller.memory.ready
 
 
 def test_the_stand_in_refuses_a_device_without_an_index_where_cuda_does() -> None:
