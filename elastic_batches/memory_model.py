@@ -156,6 +156,7 @@ class MemoryModel:
         self.calm = 0  # batches without an OOM since the margin last changed
         self.recover_after = RECOVER_AFTER  # calm batches before a widened margin narrows one step
         self.probation = False  # narrowed, and not yet calm for recover_after batches since
+        self.unprobed: str | None = None  # the device a step found no memory probe for (what describe() says)
         self._later: dict[int, int] = {}  # size -> increment of a microbatch after the first, latest last
         self._first: dict[int, int] = {}
         self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
@@ -184,6 +185,8 @@ class MemoryModel:
         if not self.enabled:
             return f"off after {self.wrong} OOMs it did not predict"
         if not (self._later or self._first):
+            if self.unprobed is not None:
+                return f"nothing measured: no memory probe on {self.unprobed} (the OOM-driven search plans)"
             return f"nothing measured yet, margin {self.margin:.0%}"
         unit = "row" if self.unit == "rows" else "token"
         fixed = (self.retained or 0) + self.fixed

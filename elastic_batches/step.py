@@ -478,9 +478,11 @@ class ElasticStep:
             return self.memory
         if self._probe is None:
             first = next(iter(self.sync.parameters()), None)
-            self._probe = device_probe(
-                self.device if self.device is not None else None if first is None else first.device
-            )
+            device = self.device if self.device is not None else None if first is None else first.device
+            self._probe = device_probe(device)
+            if self._probe is None:
+                self.memory = None  # no probe for this device: not looked for again
+                model.unprobed = "this device" if device is None else str(device)
         return self._probe
 
     def _forecast(self, attempt: _Attempt) -> int:

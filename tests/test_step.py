@@ -870,3 +870,10 @@ def test_a_batch_tagged_by_another_controller_warns_once(forget_warnings: Callab
         shared = eb.ElasticStep(model, controller=loader.controller)
         for batch in loader:
             shared.backward(batch, _mse(model))
+
+
+def test_on_a_cpu_the_controller_says_it_has_no_memory_probe() -> None:
+    model = _model()
+    step = eb.ElasticStep(model)  # memory="auto": no probe on a CPU
+    step.backward(_batch(12), _mse(model))
+    assert "memory='nothing measured: no memory probe on cpu (the OOM-driven search plans)'" in repr(step.controller)
