@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import elastic_batches as eb
+from elastic_batches.testing.fault_matrix.experts import Experts
 from elastic_batches.testing.ranks import RankPool
 
 RTOL = 1e-5
@@ -77,25 +78,6 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- a mixture of two experts ----------------------------------------------------------------------
 
 
-class _Experts(nn.Module):
-    """A shared layer, then two experts: each row goes to the expert its route names; one with no row is skipped."""
-
-    def __init__(self, sizes: tuple[int, int]) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.shared = nn.Linear(6, 8)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(8, h), nn.Tanh(), nn.Linear(h, 1)) for h in sizes)
-
-    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.shared(x))
-        out = torch.zeros(len(x), 1)
-        for index, expert in enumerate(self.experts):
-            rows = (route == index).nonzero().squeeze(1)
-            if len(rows):
-                out = out.index_put((rows,), expert(h[rows]))
-        return out
-
-
 def _routed_batch(step: int, rank: int, expert: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """12 rows; every row to ``expert`` (``None``: the rows alternate between both)."""
     generator = torch.Generator().manual_seed(1000 * step + rank)
@@ -113,13 +95,13 @@ def _mixture(rank: int, world: int, gather: str, sizes: tuple[int, int], routing
     from torch.distributed.fsdp import fully_shard
 
     expert = _expert_of(rank, routing)
-    model = _Experts(sizes)
+    model = Experts(sizes)
     mesh = _world_mesh()
     fully_shard(model.shared, mesh=mesh)
     for part in model.experts:
         fully_shard(part, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    plain = _Experts(sizes)
+    plain = Experts(sizes)
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=SPLIT), gather=gather)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     reference = torch.optim.SGD(plain.parameters(), lr=LR)
