@@ -133,7 +133,7 @@ def measured_pieces(
 ) -> Iterator[Microbatch]:
     """The microbatches of an attempt that measures: ``lead`` rows first, then each at the size predicted now.
 
-    The second and third pieces give the model two sizes 1.5x apart (it plans only with a line
+    The second and third pieces give the model two sizes ``SPREAD`` apart (it plans only with a line
     whose slope was measured); no microbatch is more than twice the largest before it: where the
     peak per row grows at larger sizes (activations overtaking the gradients), the sizes measured
     so far under-estimate it. The limits hold over all of it: no piece has fewer than
@@ -171,7 +171,7 @@ def measured_pieces(
             count = _rest_count(controller, meter, rest, index, attempt.size)
             spread = math.ceil(SPREAD * len(made[-1]))
             if index == 2 and not meter.model.spread and not meter.model.failed_at(load.cost(start, start + spread)):
-                count = min(count, -(-left // spread))  # a piece of about 1.5x the last: the line's slope
+                count = min(count, -(-left // spread))  # a piece SPREAD times the last: the line's slope
             count = sync.agree_pieces(min(count, room), room)
             take, planned = rest.sizes(count, min_rows=smallest)[0], index + count
         take = max(take, smallest)

@@ -471,7 +471,7 @@ class SplitController:
 
         The step then cuts the rest of the batch a microbatch at a time, each at the size
         predicted from what was measured so far (:meth:`plan_rest`): the next two pieces give the
-        model two sizes 1.5x apart, which it needs to plan (see ``MemoryModel.ready``). A batch
+        model two sizes ``SPREAD`` apart, which it needs to plan (see ``MemoryModel.ready``). A batch
         too small for those three pieces within the limits (``max_split_count`` below 3, fewer
         than about 3.5 times the smallest piece's rows) is not measured: the search plans it,
         and its microbatches are measured all the same.

@@ -26,11 +26,10 @@ over-estimates any larger microbatch.
 
 Increments are kept per size (the latest measurement of each of the last sixteen sizes). The line
 is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls), else through the
-origin. A
-measurement more than 5% below what the sizes measured around it say (at its own size, or between
-two) means memory per microbatch fell (a layer frozen, shorter shapes), one more than 25% above
-it that memory per microbatch grew (a layer unfrozen: its gradients are accumulated too): either
-way the older points are dropped, and the model measures again before it plans. Between two sizes measured,
+origin. A measurement more than 5% below what the sizes measured around it say (at its own size,
+or between two) means memory per microbatch fell (a layer frozen, shorter shapes), one more than
+twice it that memory per microbatch grew (a layer unfrozen: its gradients are accumulated too):
+either way the older points are dropped, and the model measures again before it plans. Between two sizes measured,
 the chord between their increments where it lies below the line: a peak is often the larger of
 two lines (the gradient being accumulated at small sizes, the activations at large ones), a
 shape that lies under its chords, and a line raised over both over-estimates the sizes between.
@@ -48,7 +47,7 @@ one step and the failures it learned are forgotten, so memory that came back is 
 that wait (up to 64 times).
 
 The model plans only once its line has a slope from measurements (:attr:`MemoryModel.ready`: two
-sizes of later microbatches 1.5x or more apart): a line through the origin takes the bytes every
+sizes of later microbatches ``SPREAD`` or more apart): a line through the origin takes the bytes every
 microbatch needs whatever its size (the gradient being accumulated) for bytes per row, and would
 plan microbatches far smaller than fit.
 """
@@ -161,14 +160,14 @@ class MemoryModel:
         self._first: dict[int, int] = {}
         self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
         self._forward: dict[int, int] = {}  # size -> bytes a microbatch after the first held when its forward ended
-        self._spread = False  # the line's slope comes from sizes 1.5x apart (else: through the origin)
+        self._spread = False  # the line's slope comes from sizes SPREAD apart (else: through the origin)
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.describe()})"
 
     @property
     def ready(self) -> bool:
-        """Whether the model can plan a whole attempt: later microbatches of two sizes 1.5x apart were measured.
+        """Whether the model can plan a whole attempt: later microbatches of two sizes ``SPREAD`` apart were measured.
 
         With one size only, the line goes through the origin: an upper bound that plans far
         smaller microbatches than fit where a microbatch needs bytes whatever its size.
@@ -177,7 +176,7 @@ class MemoryModel:
 
     @property
     def spread(self) -> bool:
-        """Whether the line's slope comes from measured sizes 1.5x or more apart (else: through the origin)."""
+        """Whether the line's slope comes from measured sizes ``SPREAD`` or more apart (else: through the origin)."""
         return self._spread
 
     def describe(self) -> str:

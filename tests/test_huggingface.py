@@ -20,13 +20,12 @@ from torch import nn
 
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget, inject_oom
+from elastic_batches.testing.hf_models import SPECIAL, WORDS, make_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 RTOL = 1e-5
-WORDS = [f"w{i}" for i in range(40)]
-SPECIAL = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,25 +34,6 @@ def _quiet_transformers() -> Any:
     transformers.logging.set_verbosity_error()  # config notes about token ids of the tiny vocabularies
     yield
     transformers.logging.set_verbosity(verbosity)
-
-
-def make_tokenizer(padding_side: str = "right") -> Any:
-    """A word-level fast tokenizer (``[CLS] words [SEP]``), built without any download."""
-    vocab = {**SPECIAL, **{word: i + len(SPECIAL) for i, word in enumerate(WORDS)}}
-    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    model.post_processor = tokenizers.processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=model,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        padding_side=padding_side,
-    )
 
 
 def encoded_texts(tokenizer: Any, rows: int = 16, seed: int = 0) -> list[dict[str, Any]]:

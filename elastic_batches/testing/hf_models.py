@@ -20,8 +20,11 @@ SPECIAL = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
 CLIENTS = ("gpt2", "bert-mlm", "bert-classify")  # causal LM, masked LM, sequence classification
 
 
-def make_tokenizer() -> Any:
-    """A word-level fast tokenizer (``[CLS] words [SEP]``) over the words ``w0`` .. ``w39``, padding on the right.
+def make_tokenizer(padding_side: str = "right") -> Any:
+    """A word-level fast tokenizer (``[CLS] words [SEP]``) over the words ``w0`` .. ``w39``.
+
+    Args:
+        padding_side: Where HF's collators pad: ``"right"`` (default) or ``"left"``.
 
     Example:
         >>> tokenizer = make_tokenizer()
@@ -44,7 +47,7 @@ def make_tokenizer() -> Any:
         cls_token="[CLS]",
         sep_token="[SEP]",
         mask_token="[MASK]",
-        padding_side="right",
+        padding_side=padding_side,
     )
 
 
