@@ -123,6 +123,11 @@ class MemoryModel:
         margin: The fraction of the capacity kept free now.
         wrong: OOMs the model did not predict.
         enabled: ``False`` once the model was wrong more than four times: it predicts nothing.
+        calm: Batches without an OOM since the margin last changed.
+        recover_after: Calm batches after which a widened margin narrows one step (``RECOVER_AFTER``,
+            doubled when an OOM it did not predict follows a narrowing).
+        probation: The margin narrowed and has not yet held for ``recover_after`` batches.
+        unprobed: The device a step found no memory probe for (``describe`` says so), or ``None``.
 
     Example:
         >>> from elastic_batches.memory import MemoryReading

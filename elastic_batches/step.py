@@ -288,8 +288,8 @@ class ElasticStep:
             for t in tensors:
                 t.grad = None
 
-        def run(attempt: _Attempt, count: int) -> None:
-            attempt.result = self._backward_microbatches(attempt, batch, count, loss_fn, count_fn, unwrap, leaves)
+        def run(attempt: _Attempt) -> None:
+            attempt.result = self._backward_microbatches(attempt, batch, loss_fn, count_fn, unwrap, leaves)
             if attempt.rescale != 1.0:  # the weights of a measured attempt divided by another total than the real
                 torch._foreach_mul_([t.grad for t in tensors if t.grad is not None], attempt.rescale)
                 attempt.result = attempt.result * attempt.rescale
@@ -365,7 +365,7 @@ class ElasticStep:
         if len(batch) == 0:
             raise ValueError("ElasticStep.evaluate: the batch is empty (0 rows); skip empty batches before the call")
 
-        def run(attempt: _Attempt, count: int) -> None:
+        def run(attempt: _Attempt) -> None:
             attempt.total = float(len(batch))
             outputs, ran = [], []
             with self.sync.microbatches():
@@ -384,16 +384,16 @@ class ElasticStep:
         self,
         batch: ElasticBatch,
         where: str,
-        run: Callable[[_Attempt, int], None],
+        run: Callable[[_Attempt], None],
         forget: Callable[[], None] | None,
         params: Sequence[torch.Tensor] | None,
     ) -> tuple[_Attempt, Verdict]:
         """The retry engine: attempts of ``batch`` until one fits on every rank; the attempt and its verdict.
 
-        ``run(attempt, count)`` does the work of one attempt; whatever it raises becomes the
-        attempt's outcome, which every rank votes on. After a failed vote, ``forget`` drops the
-        attempt's gradients, the buffers and random generators are restored, and the controller
-        learns (or every rank raises together).
+        ``run(attempt)`` does the work of one attempt (cut as ``attempt.sizes`` says, or measured);
+        whatever it raises becomes the attempt's outcome, which every rank votes on. After a failed
+        vote, ``forget`` drops the attempt's gradients, the buffers and random generators are
+        restored, and the controller learns (or every rank raises together).
         """
         self._check_tag(batch)
         load = batch.load(self.controller.unit)
@@ -427,7 +427,7 @@ class ElasticStep:
                     if len(attempt.sizes) > 1 or attempt.lead:
                         how = "measured in pieces" if attempt.lead else f"now into {len(attempt.sizes)} microbatches"
                         self._warn_batchnorm(how)
-                    run(attempt, count)
+                    run(attempt)
                 except Exception as err:  # maybe on this rank only: the vote must still happen
                     attempt.status, attempt.error, attempt.result = status_of(err), err, None
                 capacity = self._forecast(attempt)
@@ -539,7 +539,6 @@ class ElasticStep:
         self,
         attempt: _Attempt,
         batch: ElasticBatch,
-        count: int,
         loss_fn: LossFn,
         count_fn: CountFn | None,
         unwrap: bool,
