@@ -41,7 +41,7 @@ from _harness import emit, table
 
 from elastic_batches import ElasticStep, SplitController
 from elastic_batches.demo import DemoConfig
-from elastic_batches.memory_model import MemoryModel
+from elastic_batches.memory import MemoryModel
 from elastic_batches.oom import is_oom_error, release_memory
 from elastic_batches.testing.models import lm_loss
 

@@ -101,3 +101,12 @@ class StateFields:
         value = self.state[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
             raise self.error(key, f"a number in [0, {high}]")
+
+
+def positive_int(owner: str, name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` naming ``owner`` and ``name`` unless ``value`` is an int >= 1 (or ``None`` if allowed)."""
+    if value is None and allow_none:
+        return
+    if not is_int(value) or value < 1:
+        allowed = "an int >= 1 or None" if allow_none else "an int >= 1"
+        raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")

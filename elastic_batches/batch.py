@@ -32,8 +32,8 @@ from elastic_batches.structures import (
 )
 
 if TYPE_CHECKING:
-    from elastic_batches.controller import SettledSplit
     from elastic_batches.padding import Padding
+    from elastic_batches.settled import SettledSplit
 
 __all__ = ["ElasticBatch", "Microbatch", "split_sizes"]
 
@@ -282,7 +282,10 @@ class ElasticBatch:
 
     @property
     def tagged_by(self) -> object | None:
-        """The :class:`SplitController` whose settled state tagged the batch (:meth:`tag`), or ``None``."""
+        """The token of the :class:`SplitController` whose settled state tagged the batch (:meth:`tag`), or ``None``.
+
+        A controller's token is ``controller.settled.source``: the batch keeps no reference to the controller.
+        """
         return None if self._settled is None else self._settled.source
 
     @property

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 
 import elastic_batches as eb
-from elastic_batches.controller import _STATE_KEYS
-from elastic_batches.memory import MemoryReading
-from elastic_batches.memory_model import MemoryModel
+from elastic_batches.controller_state import STATE_KEYS
+from elastic_batches.memory import MemoryModel, MemoryReading
 
 
 def largest_piece(rows: int, count: int) -> int:
@@ -319,7 +318,7 @@ def test_state_round_trip_contract(seed: int, grow_after: int | None) -> None:
         _play(original, env[:stop])
         state = original.state_dict()
         assert json.loads(json.dumps(state)) == state  # plain values only
-        assert set(state) == set(_STATE_KEYS) and state["version"] == 2
+        assert set(state) == set(STATE_KEYS) and state["version"] == 2
         restored = eb.SplitController(**kwargs)
         restored.load_state_dict(copy.deepcopy(state))
         assert restored.state_dict() == state

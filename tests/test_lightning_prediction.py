@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from elastic_batches.lightning import ElasticAccumulation, Trainer
-from elastic_batches.memory_model import RECOVER_AFTER
+from elastic_batches.memory import RECOVER_AFTER
 from elastic_batches.testing import MemoryBudget
 
 

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_batches.memory import AcceleratorProbe, MemoryReading, device_probe
-from elastic_batches.memory_model import MemoryModel
+from elastic_batches.memory import AcceleratorProbe, MemoryModel, MemoryReading, device_probe
 from elastic_batches.testing import MemoryBudget, StandInCuda
 
 

@@ -502,7 +502,7 @@ def test_a_batch_that_fits_whole_runs_whole_once_the_model_predicts_it() -> None
 
 
 def test_memory_that_grows_back_after_a_spike_is_used_again_within_the_stated_batches() -> None:
-    from elastic_batches.memory_model import RECOVER_AFTER
+    from elastic_batches.memory import RECOVER_AFTER
 
     limit = _limit(4)
     fewest = _fewest(_model(), _batch(), limit)

@@ -112,7 +112,7 @@ def _model() -> nn.Sequential:
 
 def _bound(load: eb.BatchLoad, controller: eb.SplitController) -> int:
     """``D + 1``: the distinct largest-piece sizes of every cut the limits allow, and one measuring attempt."""
-    smallest = controller.smallest_rows()
+    smallest = controller.min_microbatch_size
     most = load.rows // smallest if controller.max_split_count is None else controller.max_split_count
     counts = range(1, max(1, min(load.rows // smallest, most)) + 1)
     return len({load.largest(load.sizes(k, min_rows=smallest)) for k in counts}) + 1

@@ -30,6 +30,7 @@ from elastic_batches.distributed.fsdp2_modules import ShardPerModule
 from elastic_batches.distributed.guard import CollectiveGuard
 from elastic_batches.distributed.protocol import Ballot, GradientSync, Verdict
 from elastic_batches.oom import Status
+from elastic_batches.plan import Plan
 
 __all__ = ["AUTO_HEADROOM", "AutoGather"]
 
@@ -99,8 +100,8 @@ class AutoGather(GradientSync):
     def pairs_microbatches(self) -> bool:
         return self.active.pairs_microbatches
 
-    def agree_plan(self, count: int, lead: int, where: str = "backward") -> tuple[int, int]:
-        return self.active.agree_plan(count, lead, where)
+    def agree_plan(self, plan: Plan, where: str = "backward") -> Plan:
+        return self.active.agree_plan(plan, where)
 
     def agree_pieces(self, count: int, room: int) -> int:
         return self.active.agree_pieces(count, room)

@@ -33,6 +33,7 @@ from elastic_batches.distributed.guard import PIECES_OP, CollectiveGuard, guarde
 from elastic_batches.distributed.protocol import Ballot, GradientSync, Verdict, agreement_of, check_values, verdict_of
 from elastic_batches.distributed.script import DEPARTED, STAND_IN_FAILED, Scripts
 from elastic_batches.oom import Status, release_memory
+from elastic_batches.plan import Plan
 
 __all__ = ["ShardPerModule"]
 
@@ -98,13 +99,13 @@ class ShardPerModule(GradientSync):
         return True
 
     # FSDP2's collectives pair the ranks' microbatches: every rank cuts as many (one side-channel round each).
-    def agree_plan(self, count: int, lead: int, where: str = "backward") -> tuple[int, int]:
+    def agree_plan(self, plan: Plan, where: str = "backward") -> Plan:
         if self.guard.world_size > 1:
-            rows = self.guard.agree(Status.OK, (float(count), float(lead)))
-            count, lead = int(max(row[1] for row in rows)), int(min(row[2] for row in rows))
+            rows = self.guard.agree(Status.OK, (float(plan.count), float(plan.lead)))
+            plan = plan.amended(int(max(row[1] for row in rows)), int(min(row[2] for row in rows)))
         # A script per kind of attempt: backward or evaluate, with grad mode on or off, and microbatch count.
-        self._key = (where, torch.is_grad_enabled(), count) if not lead else None  # measured: count not known yet
-        return count, lead
+        self._key = (where, torch.is_grad_enabled(), plan.count) if not plan.lead else None  # measured: count unknown
+        return plan
 
     def agree_pieces(self, count: int, room: int) -> int:
         if self.guard.world_size == 1:

@@ -14,12 +14,15 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
 from elastic_batches.oom import Status
+
+if TYPE_CHECKING:
+    from elastic_batches.plan import Plan
 
 __all__ = [
     "AGREE_VALUES",
@@ -182,16 +185,16 @@ class GradientSync:
         """Whether collectives pair the ranks' microbatches (FSDP2 per module): every rank cuts as planned, as many."""
         return False
 
-    def agree_plan(self, count: int, lead: int, where: str = "backward") -> tuple[int, int]:
-        """How an attempt cuts this rank's batch, from this rank's plan: ``(count, lead)``.
+    def agree_plan(self, plan: Plan, where: str = "backward") -> Plan:
+        """How an attempt cuts this rank's batch, from this rank's :class:`~elastic_batches.plan.Plan`.
 
-        Every rank calls it before each attempt. ``count``: the microbatches planned; ``lead``:
-        the rows of a first, measuring microbatch (0: none; the rest is then cut a microbatch at
-        a time, see :meth:`agree_pieces`); ``where``: the attempt's kind, ``"backward"`` or
-        ``"evaluate"``. The plan itself, except where collectives pair the ranks' microbatches
-        (FSDP2 gathered per module): the largest count and the smallest lead over ranks.
+        Every rank calls it before each attempt; the only place a plan is amended. ``where``: the
+        attempt's kind, ``"backward"`` or ``"evaluate"``. The plan itself, except where
+        collectives pair the ranks' microbatches (FSDP2 gathered per module): the largest count
+        and the smallest measuring lead over ranks (while measuring, the rest of the batch is
+        then cut a microbatch at a time, see :meth:`agree_pieces`).
         """
-        return count, lead
+        return plan
 
     def agree_pieces(self, count: int, room: int) -> int:
         """Inside a measuring attempt, before each microbatch after the first: how many the rest is cut into.

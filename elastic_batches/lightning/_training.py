@@ -36,13 +36,13 @@ from lightning.pytorch.trainer import call
 from torch.optim import Optimizer
 
 from elastic_batches.batch import ElasticBatch, Microbatch
+from elastic_batches.engine import raise_if_failed
 from elastic_batches.lightning._outputs import combine_outputs
 from elastic_batches.lightning._stages import Stages
 from elastic_batches.lightning._unsplittable import take_apart, user_batch
 from elastic_batches.lightning._zero_grad import ZeroGradAfterFirstStep
 from elastic_batches.lightning.module import count_fn_of, microbatch_hooks_of
 from elastic_batches.oom import ElasticOOMError, Status, status_of
-from elastic_batches.step import _raise_if_failed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -149,7 +149,7 @@ class ElasticOptimization:
         outcome = step.sync.agree(status)
         if isinstance(error, ElasticOOMError):
             raise error
-        _raise_if_failed(outcome, error, _WHERE)
+        raise_if_failed(outcome, error, _WHERE)
 
     def _clips_by_norm(self) -> bool:
         clip_val = self.trainer.gradient_clip_val

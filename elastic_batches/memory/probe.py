@@ -1,7 +1,7 @@
 """Device memory probes: the memory in use, the peak around a microbatch, and the capacity of this process.
 
 A :class:`MemoryProbe` is what the controller's memory model learns from
-(:class:`elastic_batches.memory_model.MemoryModel`). :class:`ElasticStep` reads one around each
+(:class:`elastic_batches.memory.MemoryModel`). :class:`ElasticStep` reads one around each
 microbatch of ``backward``: the bytes in use before it, the peak during it, and, once an attempt,
 the capacity. Probes exist for
 
