@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from elastic_batches._state import StateFields, is_int
+
 __all__ = ["check_loader_state", "saved_num_workers"]
 
-_OWNER = "MicrobatchingDataLoader.load_state_dict"
 _ONE_PROCESS = frozenset(
     {
         "_index_sampler_state",
@@ -44,33 +45,12 @@ _MAIN_SNAPSHOT = frozenset(
 )
 
 
-def _error(where: str, problem: str) -> ValueError:
-    return ValueError(
-        f"{_OWNER}: state['loader']{where} {problem}; nothing was loaded. Pass the state a "
-        "MicrobatchingDataLoader.state_dict() returned"
-    )
-
-
-def _keys(state: Any, expected: frozenset[str], where: str) -> None:
-    if not isinstance(state, Mapping):
-        raise _error(where, f"must be a dict, got {type(state).__qualname__}")
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if missing or unexpected:
-        raise _error(where, f"has missing keys {missing} and unexpected keys {unexpected}")
-
-
-def _count(state: Mapping[str, Any], key: str, where: str) -> None:
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _error(f"{where}[{key!r}]", f"must be an int >= 0, got {value!r}")
-
-
 def saved_num_workers(state: Mapping[str, Any]) -> int:
     """The ``num_workers`` of the loader that saved ``state`` (0 for one process)."""
     snapshot = state.get("_snapshot")
     if isinstance(snapshot, Mapping) and isinstance(snapshot.get("_main_snapshot"), Mapping):
         workers = snapshot["_main_snapshot"].get("_num_workers")
-        if isinstance(workers, int) and not isinstance(workers, bool):
+        if is_int(workers):
             return workers
     return 0
 
@@ -97,27 +77,25 @@ def check_loader_state(state: Any, num_workers: int) -> None:
     """
     if isinstance(state, Mapping) and not state:
         return
-    if not isinstance(state, Mapping):
-        raise _error("", f"must be a dict, got {type(state).__qualname__}")
+    fields = StateFields("MicrobatchingDataLoader", {"loader": state}).nested("loader")
     saved = saved_num_workers(state)
     if saved != num_workers:
         raise ValueError(
-            f"{_OWNER}: the position in the epoch was saved by a loader with num_workers={saved}, this loader has "
-            f"num_workers={num_workers}; nothing was loaded. Resume with num_workers={saved}, or load only what the "
-            "controller learned: loader.controller.load_state_dict(state['controller'])"
+            f"MicrobatchingDataLoader.load_state_dict: the position in the epoch was saved by a loader with "
+            f"num_workers={saved}, this loader has num_workers={num_workers}; nothing was loaded. Resume with "
+            f"num_workers={saved}, or load only what the controller learned: "
+            "loader.controller.load_state_dict(state['controller'])"
         )
     if num_workers == 0:
-        _keys(state, _ONE_PROCESS, "")
-        for key in ("_num_yielded", "_sampler_iter_yielded"):
-            _count(state, key, "")
+        fields.keys(_ONE_PROCESS)
+        fields.int("_num_yielded")
+        fields.int("_sampler_iter_yielded")
     else:
-        _keys(state, _WORKERS, "")
-        _count(state, "_steps_since_snapshot", "")
-        _keys(state["_snapshot"], _SNAPSHOT, "['_snapshot']")
-        _count(state["_snapshot"], "_snapshot_step", "['_snapshot']")
-        _keys(state["_snapshot"]["_main_snapshot"], _MAIN_SNAPSHOT, "['_snapshot']['_main_snapshot']")
-        workers = state["_snapshot"]["_worker_snapshots"]
-        expected = frozenset(f"worker_{i}" for i in range(num_workers))
-        _keys(workers, expected, "['_snapshot']['_worker_snapshots']")
-    if not isinstance(state["_iterator_finished"], bool):
-        raise _error("['_iterator_finished']", f"must be a bool, got {state['_iterator_finished']!r}")
+        fields.keys(_WORKERS)
+        fields.int("_steps_since_snapshot")
+        snapshot = fields.nested("_snapshot")
+        snapshot.keys(_SNAPSHOT)
+        snapshot.int("_snapshot_step")
+        snapshot.nested("_main_snapshot").keys(_MAIN_SNAPSHOT)
+        snapshot.nested("_worker_snapshots").keys(frozenset(f"worker_{i}" for i in range(num_workers)))
+    fields.bool("_iterator_finished")

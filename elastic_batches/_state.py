@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,15 +42,29 @@ def check_state_dict(owner: str, state: Mapping[str, Any], keys: frozenset[str],
         )
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any, *, integral: bool = False) -> bool:
     """Whether ``value`` is an int and not a bool (``True`` is an ``int`` to Python, never a count here).
 
+    With ``integral``, any :class:`numbers.Integral` counts (a NumPy integer too).
+
     Example:
+        >>> import numpy as np
         >>> from elastic_batches._state import is_int
-        >>> is_int(3), is_int(True), is_int(3.0)
-        (True, False, False)
+        >>> is_int(3), is_int(True), is_int(3.0), is_int(np.int64(3)), is_int(np.int64(3), integral=True)
+        (True, False, False, False, True)
     """
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral if integral else int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is an int or a float and not a bool.
+
+    Example:
+        >>> from elastic_batches._state import is_number
+        >>> is_number(0.5), is_number(2), is_number(False)
+        (True, True, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class StateFields:
@@ -75,13 +90,31 @@ class StateFields:
         self.owner, self.state, self.where = owner, state, where
         self.source = source if source is not None else f"{owner}.state_dict()"
 
+    def refuse(self, problem: str, key: str | None = None) -> ValueError:
+        """The error saying that ``state`` (or ``state[key]``) has ``problem``; nothing was loaded."""
+        where = self.where if key is None else f"{self.where}[{key!r}]"
+        return ValueError(
+            f"{self.owner}.load_state_dict: state{where} {problem}; nothing was loaded. Pass a dict produced by "
+            f"{self.source}"
+        )
+
     def error(self, key: str, expected: str, value: Any = None) -> ValueError:
         """The error for ``state[key]``, which must be ``expected`` (its value read from the state unless given)."""
         value = self.state.get(key) if value is None else value
-        return ValueError(
-            f"{self.owner}.load_state_dict: state{self.where}[{key!r}] must be {expected}, got {value!r}; nothing was "
-            f"loaded. Pass a dict produced by {self.source}"
-        )
+        return self.refuse(f"must be {expected}, got {value!r}", key)
+
+    def keys(self, expected: frozenset[str]) -> None:
+        """``state`` holds exactly the keys ``expected`` (both kinds of difference are named)."""
+        missing, unexpected = sorted(expected - self.state.keys()), sorted(self.state.keys() - expected)
+        if missing or unexpected:
+            raise self.refuse(f"has missing keys {missing} and unexpected keys {unexpected}")
+
+    def nested(self, key: str) -> StateFields:
+        """The fields of ``state[key]``, which must be a dict; its errors name the path to it."""
+        value = self.state[key]
+        if not isinstance(value, Mapping):
+            raise self.refuse(f"must be a dict, got {type(value).__qualname__}", key)
+        return StateFields(self.owner, value, where=f"{self.where}[{key!r}]", source=self.source)
 
     def int(self, key: str, *, low: int = 0, allow_none: bool = False) -> None:
         """``state[key]`` is an int ``>= low`` (or ``None`` where allowed)."""
@@ -99,7 +132,7 @@ class StateFields:
     def fraction(self, key: str, high: float) -> None:
         """``state[key]`` is a number in ``[0, high]``."""
         value = self.state[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+        if not is_number(value) or not 0 <= value <= high:
             raise self.error(key, f"a number in [0, {high}]")
 
 

@@ -22,6 +22,8 @@ import math
 from collections.abc import Sequence
 from itertools import accumulate
 
+from elastic_batches._state import is_int
+
 __all__ = ["BatchLoad", "rows_within", "split_sizes"]
 
 
@@ -74,7 +76,7 @@ class BatchLoad:
     """
 
     def __init__(self, rows: int, lengths: Sequence[int] | None = None) -> None:
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        if not is_int(rows) or rows < 1:
             raise ValueError(f"BatchLoad: rows must be an int >= 1, got {rows!r}")
         self.rows = rows
         self.lengths: tuple[int, ...] | None = None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import NonTensorStack, TensorDictBase
 
+from elastic_batches._state import is_int
 from elastic_batches.balance import BatchLoad, split_sizes
 from elastic_batches.structures import (
     BatchSpec,
@@ -256,7 +257,7 @@ class ElasticBatch:
 
     @split_count.setter
     def split_count(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"ElasticBatch.split_count must be an int >= 1, got {value!r}")
         self._split_count = value
 
@@ -436,7 +437,7 @@ class ElasticBatch:
             count = len(sizes)
         else:
             count = self.split_count if split_count is None else split_count
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            if not is_int(count) or count < 1:
                 raise ValueError(f"split_count must be an int >= 1, got {count!r}")
             count = min(count, rows)
             sizes = split_sizes(rows, count) if balance == "rows" else self.load(balance).sizes(count)

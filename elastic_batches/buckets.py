@@ -18,6 +18,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from elastic_batches._state import is_int
+
 __all__ = ["ShapeBuckets"]
 
 Rounding = int | Literal["pow2"] | None
@@ -26,7 +28,7 @@ Rounding = int | Literal["pow2"] | None
 def _check(name: str, value: object) -> None:
     if value is None or value == "pow2":
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"ShapeBuckets: {name} must be an int >= 1 (a multiple), 'pow2' or None, got {value!r}")
 
 

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from elastic_batches._state import is_int
 from elastic_batches.controller import SplitController
 from elastic_batches.loader import MicrobatchingDataLoader
 from elastic_batches.step import ElasticStep
@@ -97,7 +98,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "vocab_size", "dim", "heads", "layers", "threads"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"DemoConfig: {name} must be an int >= 1, got {value!r}")
         if self.dim % self.heads:
             raise ValueError(f"DemoConfig: dim={self.dim} must be a multiple of heads={self.heads}")

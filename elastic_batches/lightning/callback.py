@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from elastic_batches._state import check_state_dict
+from elastic_batches._state import check_state_dict, is_int
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import GATHER_MODES
@@ -124,11 +124,7 @@ class ElasticAccumulation(Callback):
         check_memory("ElasticAccumulation", memory)
         if gather not in GATHER_MODES:
             raise ValueError(f"ElasticAccumulation: gather must be one of {list(GATHER_MODES)}, got {gather!r}")
-        if accumulate_grad_batches is not None and (
-            isinstance(accumulate_grad_batches, bool)
-            or not isinstance(accumulate_grad_batches, int)
-            or accumulate_grad_batches < 1
-        ):
+        if accumulate_grad_batches is not None and (not is_int(accumulate_grad_batches) or accumulate_grad_batches < 1):
             raise ValueError(
                 "ElasticAccumulation: accumulate_grad_batches must be an int >= 1 or None, "
                 f"got {accumulate_grad_batches!r}"

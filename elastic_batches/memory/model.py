@@ -60,7 +60,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from elastic_batches._state import StateFields, check_state_dict, is_int
+from elastic_batches._state import StateFields, check_state_dict, is_int, is_number
 from elastic_batches.memory.probe import MemoryReading
 
 __all__ = ["RECOVER_AFTER", "SPREAD", "MemoryModel", "check_margin", "format_bytes"]
@@ -88,7 +88,7 @@ _MAX_RECOVER = 64 * RECOVER_AFTER
 
 def check_margin(owner: str, margin: Any) -> None:
     """Refuse a margin that is not a float in ``[0, 0.5]``."""
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= _MAX_MARGIN:
+    if not is_number(margin) or not 0 <= margin <= _MAX_MARGIN:
         raise ValueError(
             f"{owner}: margin must be a fraction of the capacity in [0, {_MAX_MARGIN}] (0.05 keeps 5% free), or None "
             f"to turn prediction off; got {margin!r}"

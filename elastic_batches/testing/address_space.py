@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
+from elastic_batches._state import is_int
+
 __all__ = ["AddressSpaceLimit", "address_space_bytes"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameters (malloc.h)
@@ -104,7 +106,7 @@ class AddressSpaceLimit:
     """
 
     def __init__(self, extra_bytes: int, *, configure_malloc: bool = True) -> None:
-        if isinstance(extra_bytes, bool) or not isinstance(extra_bytes, int):
+        if not is_int(extra_bytes):
             raise TypeError(f"AddressSpaceLimit: extra_bytes must be an int (bytes), got {extra_bytes!r}")
         if extra_bytes < 0:
             raise ValueError(f"AddressSpaceLimit: extra_bytes must be >= 0, got {extra_bytes}")

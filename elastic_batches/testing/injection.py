@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn
 
@@ -10,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from elastic_batches._state import is_int
 
 __all__ = [
     "OOMInjection",
@@ -33,7 +34,7 @@ def _current_rank() -> int:
 def _call_set(calls: int | Iterable[int], what: str) -> frozenset[int]:
     values: list[object] = list(calls) if isinstance(calls, Iterable) else [calls]
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if not is_int(value, integral=True):
             raise TypeError(f"calls must hold int {what} numbers, got {value!r}: pass e.g. calls=0 or calls=[0, 2]")
         if value < 0:
             raise ValueError(
@@ -47,7 +48,7 @@ def _call_set(calls: int | Iterable[int], what: str) -> frozenset[int]:
 def _check_rank(rank: int | None) -> int | None:
     if rank is None:
         return None
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
+    if not is_int(rank, integral=True) or rank < 0:
         raise ValueError(f"rank must be a torch.distributed rank >= 0 or None (every rank), got {rank!r}")
     return int(rank)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import numbers
 import threading
 import weakref
 from collections.abc import Iterable
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from elastic_batches._state import is_int
 from elastic_batches.memory import MemoryProbe, MemoryReading
 from elastic_batches.testing.allocator import ALLOCATORS, Block, CachingAllocator
 
@@ -238,7 +238,7 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
     @limit_bytes.setter
     def limit_bytes(self, value: int | None) -> None:
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            if not is_int(value, integral=True):
                 raise TypeError(
                     f"MemoryBudget limit_bytes must be an int number of bytes or None, got {value!r} "
                     f"of type {type(value).__name__}: pass e.g. limit_bytes=int({value!r})"
