@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import inspect
-import itertools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate, default_convert
-from torch.utils.data.dataloader import _InfiniteConstantSampler
-from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
-from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 from elastic_batches._loader_state import check_loader_state
+from elastic_batches._samplers import BUILT_BATCH_SAMPLERS, ResumableBatchSampler, ShuffleSampler, check_sampler_state
 from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
 from elastic_batches.buckets import ShapeBuckets
@@ -96,127 +94,12 @@ def _arguments_of(loader: DataLoader) -> dict[str, Any]:
         arguments.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
     elif loader.batch_sampler is None:
         arguments.update(sampler=loader.sampler, batch_size=None)
-    elif type(loader.batch_sampler) in _BUILT_BATCH_SAMPLERS and loader.batch_size is not None:
+    elif type(loader.batch_sampler) in BUILT_BATCH_SAMPLERS and loader.batch_size is not None:
         # what batch_size= builds (a batch_sampler= given by the user leaves batch_size None)
         arguments.update(sampler=loader.sampler, batch_size=loader.batch_size, drop_last=loader.drop_last)
     else:
         arguments.update(batch_sampler=loader.batch_sampler, batch_size=1, drop_last=False)
     return arguments
-
-
-class _ShuffleSampler(StatefulRandomSampler, RandomSampler):
-    """torchdata's resumable random sampler that is also a ``torch.utils.data.RandomSampler``.
-
-    What ``shuffle=True`` builds: Lightning recognises it as the default shuffling sampler and
-    swaps in a shuffling ``DistributedSampler`` under DDP, as it does for a plain DataLoader.
-    Built with the defaults only (no replacement, one pass over the dataset), so that an epoch's
-    indices come from :class:`_ShuffledOrder`: torchdata's order and state, a batch at a time.
-    """
-
-    def __iter__(self) -> Iterator[int]:
-        return _ShuffledOrder(self)
-
-
-class _ShuffledOrder:
-    """One epoch of a :class:`_ShuffleSampler`: torchdata's order and state keys, taken a batch at a time.
-
-    torchdata's iterator returns one index per Python call; :meth:`take` slices a batch's indices
-    from the permutation at once.
-    """
-
-    def __init__(self, sampler: _ShuffleSampler) -> None:
-        self.generator = sampler.generator
-        self.size = len(sampler.data_source)
-        self._start(self.generator.get_state())
-
-    def _start(self, generator_state: torch.Tensor) -> None:
-        """Draw the epoch's permutation from ``generator_state``, as torchdata does."""
-        self.generator_state = generator_state
-        self.generator.set_state(generator_state)
-        self.permutation = torch.randperm(self.size, generator=self.generator).tolist()
-        self.yielded = 0
-
-    def take(self, n: int) -> list[int]:
-        """The next ``n`` indices (fewer at the end of the epoch; none after it)."""
-        start = self.yielded
-        self.yielded = min(start + n, self.size)
-        return self.permutation[start : self.yielded]
-
-    def __iter__(self) -> _ShuffledOrder:
-        return self
-
-    def __next__(self) -> int:
-        if self.yielded == self.size:
-            raise StopIteration
-        self.yielded += 1
-        return self.permutation[self.yielded - 1]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"yielded": self.yielded, "generator": self.generator_state}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._start(state["generator"])
-        self.yielded = state["yielded"]
-
-
-class _ResumableBatches:
-    """The batches of index lists a batch sampler yields, resumable as torchdata's are (same state keys).
-
-    torchdata's iterator appends the indices one Python call at a time; this one takes each
-    batch's indices from the sampler in one ``islice`` (from a :class:`_ShuffledOrder`, in one
-    slice).
-    """
-
-    def __init__(self, sampler: Any, batch_size: int, drop_last: bool) -> None:
-        self.sampler = sampler
-        self.sampler_iter = iter(sampler)
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.samples_yielded = 0
-
-    def __iter__(self) -> _ResumableBatches:
-        return self
-
-    def __next__(self) -> list[int]:
-        order = self.sampler_iter
-        if type(order) is _ShuffledOrder:
-            batch = order.take(self.batch_size)
-        else:
-            batch = list(itertools.islice(order, self.batch_size))
-        self.samples_yielded += len(batch)
-        if not batch or (self.drop_last and len(batch) < self.batch_size):
-            raise StopIteration
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"samples_yielded": self.samples_yielded}
-        if isinstance(self.sampler, Stateful):
-            state["sampler_state"] = self.sampler.state_dict()
-        if isinstance(self.sampler_iter, Stateful):
-            state["sampler_iter_state"] = self.sampler_iter.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.samples_yielded = state["samples_yielded"]
-        if "sampler_state" in state:
-            self.sampler.load_state_dict(state["sampler_state"])
-        self.sampler_iter = iter(self.sampler)
-        if "sampler_iter_state" in state:
-            self.sampler_iter.load_state_dict(state["sampler_iter_state"])
-        if not isinstance(self.sampler, (Stateful, _InfiniteConstantSampler)) and not isinstance(
-            self.sampler_iter, Stateful
-        ):  # a sampler without state of its own: skip what was yielded
-            next(itertools.islice(self.sampler_iter, self.samples_yielded, self.samples_yielded), None)
-
-
-class _BatchSampler(StatefulBatchSampler):
-    """What ``batch_size=`` builds in a ``StatefulDataLoader``, iterated by :class:`_ResumableBatches`."""
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return _ResumableBatches(self.sampler, self.batch_size, self.drop_last)
-
-
-_BUILT_BATCH_SAMPLERS = (BatchSampler, StatefulBatchSampler, _BatchSampler)
 
 
 def _check_arguments(dataloader_kwargs: Mapping[str, Any]) -> None:
@@ -335,7 +218,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
                 raise ValueError(
                     "MicrobatchingDataLoader: shuffle=True cannot be combined with a sampler or batch_sampler"
                 )
-            arguments["sampler"] = _ShuffleSampler(arguments["dataset"], generator=arguments.get("generator"))
+            arguments["sampler"] = ShuffleSampler(arguments["dataset"], generator=arguments.get("generator"))
         if arguments.get("pin_memory") and not _accelerator_present():
             arguments["pin_memory"] = False
         if controller is not None and not isinstance(controller, SplitController):
@@ -358,7 +241,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
             super().__init__(**arguments)
         if type(self.batch_sampler) is StatefulBatchSampler:  # built just now from batch_size; not settable after
-            self.batch_sampler.__class__ = _BatchSampler
+            self.batch_sampler.__class__ = ResumableBatchSampler
 
     def __iter__(self) -> Iterator[ElasticBatch]:  # type: ignore[override]
         return self._tagged(super().__iter__())
@@ -399,7 +282,7 @@ class MicrobatchingDataLoader(StatefulDataLoader):
         """
         check_state_dict("MicrobatchingDataLoader", state_dict, _STATE_KEYS, _STATE_VERSION)
         check_loader_state(state_dict["loader"], self.num_workers)
-        self._check_sampler_state(state_dict["loader"])
+        check_sampler_state(self.batch_sampler, state_dict["loader"])
         if state_dict["batch_size"] != self.batch_size:
             raise ValueError(
                 f"MicrobatchingDataLoader.load_state_dict: the state was saved with batch_size="
@@ -409,28 +292,3 @@ class MicrobatchingDataLoader(StatefulDataLoader):
             )
         self.controller.load_state_dict(state_dict["controller"])  # checks all its fields before it applies any
         super().load_state_dict(state_dict["loader"])
-
-    def _check_sampler_state(self, state: Mapping[str, Any]) -> None:
-        """Refuse a state of the batch sampler ``batch_size=`` built here that it could not resume from."""
-        if not state or type(self.batch_sampler) is not _BatchSampler:
-            return
-        main = state["_snapshot"]["_main_snapshot"] if "_snapshot" in state else state
-        batches = main["_sampler_iter_state"]
-        where = "state['loader']['_sampler_iter_state']"
-        if not isinstance(batches, Mapping) or not isinstance(batches.get("samples_yielded"), int):
-            raise ValueError(
-                f"MicrobatchingDataLoader.load_state_dict: {where} must be a dict with an int 'samples_yielded' (the "
-                f"batch sampler's position), got {batches!r}; nothing was loaded"
-            )
-        order = batches.get("sampler_iter_state")
-        if isinstance(self.batch_sampler.sampler, _ShuffleSampler) and order is not None:
-            size = len(self.batch_sampler.sampler.data_source)
-            yielded, generator = (
-                (order.get("yielded"), order.get("generator")) if isinstance(order, Mapping) else (None, None)
-            )
-            if not (isinstance(yielded, int) and 0 <= yielded <= size and isinstance(generator, torch.Tensor)):
-                raise ValueError(
-                    f"MicrobatchingDataLoader.load_state_dict: {where}['sampler_iter_state'] must hold the shuffled "
-                    f"epoch's position ('yielded', 0 to {size}) and its generator state, got {order!r}; nothing "
-                    "was loaded"
-                )
