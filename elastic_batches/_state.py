@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 
 def check_state_dict(owner: str, state: Mapping[str, Any], keys: frozenset[str], version: int) -> None:
@@ -42,7 +42,7 @@ def check_state_dict(owner: str, state: Mapping[str, Any], keys: frozenset[str],
         )
 
 
-def is_int(value: Any, *, integral: bool = False) -> bool:
+def is_int(value: Any, *, integral: bool = False) -> TypeGuard[int]:
     """Whether ``value`` is an int and not a bool (``True`` is an ``int`` to Python, never a count here).
 
     With ``integral``, any :class:`numbers.Integral` counts (a NumPy integer too).
@@ -56,7 +56,7 @@ def is_int(value: Any, *, integral: bool = False) -> bool:
     return isinstance(value, numbers.Integral if integral else int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     """Whether ``value`` is an int or a float and not a bool.
 
     Example:

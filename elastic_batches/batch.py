@@ -33,8 +33,8 @@ from elastic_batches.structures import (
 )
 
 if TYPE_CHECKING:
-    from elastic_batches.padding import Padding
     from elastic_batches.settled import SettledSplit
+    from elastic_batches.variable_length.padding import Padding
 
 __all__ = ["ElasticBatch", "Microbatch", "split_sizes"]
 

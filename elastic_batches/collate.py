@@ -4,7 +4,7 @@ It calls the user's ``collate_fn`` (or torch's default collate, extended with th
 given to :func:`register_collate`) and wraps the result in a deferred :class:`ElasticBatch`:
 it crosses from a worker to the main process as the plain loader's batch would, and is taken
 apart with the batch-type registry when the step first cuts it. With ``pad_values`` it first
-pads the variable-length fields (see :mod:`elastic_batches.padding`). It
+pads the variable-length fields (see :mod:`elastic_batches.variable_length.padding`). It
 pickles both registries along, so that registrations made in ``__main__`` apply in workers
 started with ``spawn`` (registrations whose functions cannot be pickled, such as lambdas, stay
 behind: use module-level functions with ``spawn``).
@@ -22,11 +22,11 @@ from torch.utils.data._utils.collate import collate, default_convert
 
 from elastic_batches import registry
 from elastic_batches.batch import ElasticBatch
-from elastic_batches.buckets import ShapeBuckets
-from elastic_batches.padding import Padding, PadValue, check_pad_values
 from elastic_batches.registry import register_collate
 from elastic_batches.structures import flatten
-from elastic_batches.trim import TrimPadding
+from elastic_batches.variable_length.padding import Padding, PadValue, check_pad_values
+from elastic_batches.variable_length.shape_buckets import ShapeBuckets
+from elastic_batches.variable_length.trim import TrimPadding
 
 __all__ = ["ElasticCollate", "collate_padded", "register_collate"]
 

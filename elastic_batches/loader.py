@@ -17,9 +17,9 @@ from elastic_batches._loader_state import check_loader_state
 from elastic_batches._samplers import BUILT_BATCH_SAMPLERS, ResumableBatchSampler, ShuffleSampler, check_sampler_state
 from elastic_batches._state import check_state_dict
 from elastic_batches.batch import ElasticBatch
-from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.collate import ElasticCollate
 from elastic_batches.controller import SplitController
+from elastic_batches.variable_length.shape_buckets import ShapeBuckets
 
 __all__ = ["MicrobatchingDataLoader"]
 

@@ -226,7 +226,7 @@ def test_a_schedule_dropped_unclosed_removes_its_hooks() -> None:
     import gc
     import weakref
 
-    from elastic_batches.distributed.buckets import FlatPlan
+    from elastic_batches.distributed.gradient_buckets import FlatPlan
     from elastic_batches.distributed.overlap import BucketSchedule
 
     params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))]

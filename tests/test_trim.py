@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import elastic_batches as eb
-from elastic_batches.padding import Padding
 from elastic_batches.testing import inject_oom
+from elastic_batches.variable_length.padding import Padding
 
 LENGTHS = [3, 7, 1, 5, 2, 6]
 

@@ -46,11 +46,11 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from elastic_batches.distributed.buckets import DEFAULT_BUCKET_BYTES
 from elastic_batches.distributed.ddp import DistributedDataParallel, SingleRankDDP
 from elastic_batches.distributed.fsdp2 import DEFAULT_FUSED_BYTES, FullyShard, fsdp_module_type
 from elastic_batches.distributed.fsdp2_auto import AutoGather
 from elastic_batches.distributed.fsdp2_modules import ShardPerModule
+from elastic_batches.distributed.gradient_buckets import DEFAULT_BUCKET_BYTES
 from elastic_batches.distributed.guard import PeerFailure
 from elastic_batches.distributed.plain import Agreeing
 from elastic_batches.distributed.protocol import Ballot, GradientSync, Verdict

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_batches.distributed.buckets import DEFAULT_BUCKET_BYTES, FlatPlan
+from elastic_batches.distributed.gradient_buckets import DEFAULT_BUCKET_BYTES, FlatPlan
 from elastic_batches.distributed.overlap import BucketSchedule
 from elastic_batches.distributed.plain import Agreeing
 from elastic_batches.distributed.protocol import Ballot, GradientSync, Rows, Verdict, verdict_of

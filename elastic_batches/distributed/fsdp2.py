@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_batches.distributed.buckets import DEFAULT_BUCKET_BYTES, group_by_bytes
+from elastic_batches.distributed.gradient_buckets import DEFAULT_BUCKET_BYTES, group_by_bytes
 from elastic_batches.distributed.guard import CollectiveGuard, guarded_comms, side_channel
 from elastic_batches.distributed.plain import Agreeing
 from elastic_batches.distributed.protocol import Ballot, Rows, Verdict, agreement_of, check_values, verdict_of

@@ -1,6 +1,6 @@
 """The last microbatch's reduction overlapped with its backward: every bucket but the vote's, in a fixed order.
 
-Every rank all-reduces the buckets of a :class:`~elastic_batches.distributed.buckets.FlatPlan`
+Every rank all-reduces the buckets of a :class:`~elastic_batches.distributed.gradient_buckets.FlatPlan`
 in one order fixed by the plan: the last bucket first (it holds the last parameters, whose
 gradients a backward finishes first), the first one (that carries the vote) last. During an
 attempt's last microbatch, a bucket starts as soon as the gradients it holds are final and
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from elastic_batches.distributed.buckets import FlatPlan
+from elastic_batches.distributed.gradient_buckets import FlatPlan
 
 __all__ = ["BucketSchedule"]
 
@@ -71,7 +71,7 @@ class BucketSchedule:
 
     Example:
         >>> import torch
-        >>> from elastic_batches.distributed.buckets import FlatPlan
+        >>> from elastic_batches.distributed.gradient_buckets import FlatPlan
         >>> from elastic_batches.distributed.overlap import BucketSchedule
         >>> params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))]
         >>> schedule = BucketSchedule(FlatPlan(params, bucket_bytes=12, separate=True), params, group=None)

@@ -376,7 +376,7 @@ def inject_oom_in_cut(*, calls: int | Iterable[int] = 0, rank: int | None = None
         >>> oom.fired, step.controller.split_count
         (1, 4)
     """
-    from elastic_batches.padding import Padding
+    from elastic_batches.variable_length.padding import Padding
 
     return _inject_in_method(Padding, "piece", "cut", "cut", calls, rank)
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_batches.counts import LabelCount, label_count
+from elastic_batches.variable_length.counts import LabelCount, label_count
 
 __all__ = ["combine_predictions", "item_count", "loss_sums_over_items", "microbatch_scale"]
 

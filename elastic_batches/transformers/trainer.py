@@ -25,7 +25,7 @@ from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
 from elastic_batches.step import ElasticStep
 from elastic_batches.transformers._loss import combine_predictions, item_count, loss_sums_over_items, microbatch_scale
-from elastic_batches.trim import TrimPadding
+from elastic_batches.variable_length.trim import TrimPadding
 
 __all__ = ["Trainer"]
 

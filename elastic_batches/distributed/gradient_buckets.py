@@ -113,7 +113,7 @@ class FlatPlan:
 
     Example:
         >>> import torch
-        >>> from elastic_batches.distributed.buckets import FlatPlan
+        >>> from elastic_batches.distributed.gradient_buckets import FlatPlan
         >>> grads = [torch.ones(3), torch.ones(5)]
         >>> plan = FlatPlan(grads, bucket_bytes=16, separate=True)
         >>> [len(b.flat) for b in plan.buckets], plan.holders

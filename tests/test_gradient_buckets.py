@@ -1,10 +1,10 @@
-"""``distributed.buckets``: gradients through flat buffers allocated once, whole or cut, any dense layout."""
+"""``distributed.gradient_buckets``: gradients through flat buffers allocated once, whole or cut, any dense layout."""
 
 from __future__ import annotations
 
 import torch
 
-from elastic_batches.distributed import buckets
+from elastic_batches.distributed import gradient_buckets as buckets
 
 
 def test_buckets_cut_dense_tensors_and_keep_others_whole() -> None:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from elastic_batches.buckets import ShapeBuckets
 from elastic_batches.structures import Fields, slice_fields
+from elastic_batches.variable_length.shape_buckets import ShapeBuckets
 
 __all__ = ["Padding", "PadValue", "check_pad_values"]
 
@@ -40,7 +40,7 @@ def check_pad_values(pad_values: Mapping[Any, PadValue] | None) -> dict[Any, Pad
         TypeError: ``pad_values`` is not a mapping, or a pad value is not a number.
 
     Example:
-        >>> from elastic_batches.padding import check_pad_values
+        >>> from elastic_batches.variable_length.padding import check_pad_values
         >>> check_pad_values({"input_ids": 0, "labels": -100})
         {'input_ids': 0, 'labels': -100}
     """
@@ -71,7 +71,7 @@ class Padding:
 
     Example:
         >>> import torch
-        >>> from elastic_batches.padding import Padding
+        >>> from elastic_batches.variable_length.padding import Padding
         >>> ids = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 0, 0]])
         >>> padding = Padding(values={"ids": 0}, lengths={"ids": (3, 2, 1)})
         >>> padding.row_lengths()

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from elastic_batches.batch import ElasticBatch
-from elastic_batches.buckets import ShapeBuckets
-from elastic_batches.padding import Padding, PadValue, check_pad_values
 from elastic_batches.structures import Fields, flatten
+from elastic_batches.variable_length.padding import Padding, PadValue, check_pad_values
+from elastic_batches.variable_length.shape_buckets import ShapeBuckets
 
 __all__ = ["TrimPadding"]
 
