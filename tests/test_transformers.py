@@ -61,12 +61,12 @@ def arguments(tmp_path: Path, **overrides: Any) -> Any:
 
 
 def trained(
-    cls: type, name: str, args: Any, budget: MemoryBudget | None = None, resume: str | None = None
+    cls: type, name: str, args: Any, budget: MemoryBudget | None = None, resume: str | None = None, **options: Any
 ) -> tuple[nn.Module, Any]:
-    """A fresh client trained by ``cls`` (inside ``budget``); the model and the trainer."""
+    """A fresh client trained by ``cls`` (inside ``budget``, given ``options``); the model and the trainer."""
     rows = BATCH * args.gradient_accumulation_steps * STEPS
     model, collator, samples = hf_models.client(name, rows=rows)
-    trainer = cls(model=model, args=args, train_dataset=samples, data_collator=collator)
+    trainer = cls(model=model, args=args, train_dataset=samples, data_collator=collator, **options)
     if budget is None:
         trainer.train(resume_from_checkpoint=resume)
     else:
@@ -115,6 +115,28 @@ def test_weights_equal_hf_trainer_where_the_batch_fits(
     assert sum(e["ooms"] for e in logs) == controller.oom_count
     assert logs[-1]["split_count"] == controller.split_count
     assert f"'split_count': {controller.split_count}" in printed  # HF's own progress output shows it
+
+
+def test_memory_budget_as_probe_predicts_the_split_and_stays_exact(tmp_path: Path) -> None:
+    # memory=budget: the steps measure each microbatch in the budget and plan from the fitted model
+    args = arguments(tmp_path)
+    want, _ = trained(transformers.Trainer, "gpt2", args)
+    _, searching = trained(Trainer, "gpt2", args, MemoryBudget(BUDGET), memory=None)
+    budget = MemoryBudget(BUDGET)
+    got, trainer = trained(Trainer, "gpt2", args, budget, memory=budget)
+
+    controller = trainer.split_controller
+    assert searching.split_controller.oom_count >= 1  # the search alone learns from OOMs
+    assert controller.oom_count < searching.split_controller.oom_count and budget.oom_count == controller.oom_count
+    assert controller.split_count >= 2 and controller.memory is not None and controller.memory.retained is not None
+    assert relative(got, want) < RTOL
+    assert relative(got, want, initial_weights("gpt2")) < RTOL
+
+
+def test_memory_must_be_a_probe(tmp_path: Path) -> None:
+    model, collator, samples = hf_models.client("gpt2", rows=4)
+    with pytest.raises(TypeError, match=r"elastic_batches.transformers.Trainer: memory must be 'auto', None or"):
+        Trainer(model=model, args=arguments(tmp_path), train_dataset=samples, memory="cuda")
 
 
 def test_the_naive_per_microbatch_mean_would_be_caught(tmp_path: Path) -> None:
