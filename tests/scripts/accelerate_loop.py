@@ -5,8 +5,8 @@ optimizer, loader = accelerator.prepare(...)``, then ``ElasticStep(model,
 backward_fn=accelerator.backward)`` instead of ``accelerator.backward``, each rank inside its own
 ``MemoryBudget`` (``--budgets``, one per rank: ranks that run out of memory at different sizes).
 With ``--accumulate N`` the loop runs under ``accelerator.accumulate(model)`` with
-``gradient_accumulation_steps=N``; ``--rows`` is the global batch of one optimizer step. Rank 0 saves the final weights and each rank's OOM count to
-``--out`` (a ``torch.save`` file).
+``gradient_accumulation_steps=N``; ``--rows`` is the global batch of one optimizer step. Rank 0
+saves the final weights and each rank's OOM count to ``--out`` (a ``torch.save`` file).
 """
 
 from __future__ import annotations
