@@ -308,11 +308,13 @@ class AttemptEngine:
     def _explained(
         self, final: ElasticOOMError, call: _Call, size: int, error: BaseException | None
     ) -> ElasticOOMError:
-        """The error at the limit, with what the probe saw: in use before the step, and what the microbatch needed."""
-        if call.before is None:
+        """The error at the limit, with what the probe saw: in use before the step, and what the microbatch needed.
+
+        Only where this rank ran out itself: a rank stopped by a peer's OOM says nothing of its own memory.
+        """
+        if call.before is None or error is None or not is_oom_error(error) or isinstance(error, PeerFailure):
             return final
-        held, requested = (call.held, requested_bytes(error)) if error is not None else (None, None)
-        shortfall = Shortfall(type(call.watch).__name__, call.before, held, requested)
+        shortfall = Shortfall(type(call.watch).__name__, call.before, call.held, requested_bytes(error))
         return ElasticOOMError(f"{final}. {shortfall.note(size, self.controller.unit)}")
 
     def _watching(self, probe: MemoryProbe | None) -> MemoryProbe | None:
