@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 import elastic_batches as eb
+from elastic_batches.memory import format_bytes
 from elastic_batches.testing import MemoryBudget
 
 transformers = pytest.importorskip("transformers")
@@ -132,6 +134,26 @@ def test_memory_budget_as_probe_predicts_the_split_and_stays_exact(tmp_path: Pat
     assert controller.split_count >= 2 and controller.memory is not None and controller.memory.retained is not None
     assert relative(got, want) < RTOL
     assert relative(got, want, initial_weights("gpt2")) < RTOL
+
+
+def test_a_model_that_cannot_fit_one_row_names_what_it_holds(tmp_path: Path) -> None:
+    budget = MemoryBudget(None)
+    with budget:  # the model made inside the budget: its parameters count
+        model, collator, samples = hf_models.client("gpt2", rows=BATCH)
+    params = budget.live_bytes
+    budget.limit_bytes = 2 * params  # the parameters and their gradients, but not the batch and a row's activations
+    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=samples, data_collator=collator)
+    with pytest.raises(eb.ElasticOOMError, match="even at microbatch size 1") as raised, budget:
+        trainer.train()
+    message = str(raised.value)
+    found = re.search(
+        r"MemoryBudget: (\S+) KiB of (\S+ KiB) were in use before the step began \(\d+%: the model", message
+    )
+    assert found is not None, message
+    assert found.group(2) == format_bytes(2 * params)
+    in_use = float(found.group(1)) * 1024  # the parameters and the batch, which HF's loader made inside the budget
+    assert params < in_use < 1.2 * params
+    assert re.search(r"the microbatch of 1 row held \S+ KiB more when an allocation of \S+ KiB failed", message)
 
 
 def test_memory_must_be_a_probe(tmp_path: Path) -> None:
