@@ -156,6 +156,19 @@ def test_a_model_that_cannot_fit_one_row_names_what_it_holds(tmp_path: Path) -> 
     assert re.search(r"the microbatch of 1 row held \S+ KiB more when an allocation of \S+ KiB failed", message)
 
 
+def test_a_model_that_cannot_run_one_row_without_gradients_says_so(tmp_path: Path) -> None:
+    budget = MemoryBudget(None)
+    with budget:
+        model, collator, samples = hf_models.client("gpt2", rows=BATCH)
+    budget.limit_bytes = budget.live_bytes * 3 // 2  # not even a one-row forward beside the batch
+    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=samples, data_collator=collator)
+    with (
+        pytest.raises(eb.ElasticOOMError, match=r"out of memory in the forward of one row without gradients \(GPT2"),
+        budget,
+    ):
+        trainer.train()
+
+
 def test_memory_must_be_a_probe(tmp_path: Path) -> None:
     model, collator, samples = hf_models.client("gpt2", rows=4)
     with pytest.raises(TypeError, match=r"elastic_batches.transformers.Trainer: memory must be 'auto', None or"):
