@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from elastic_batches._warnings import warn_on_rank_zero, warn_once
 from elastic_batches.batch import ElasticBatch
@@ -26,7 +27,16 @@ from elastic_batches.distributed import Ballot, GradientSync, Verdict
 from elastic_batches.distributed.guard import PeerFailure
 from elastic_batches.memory import MemoryModel, MemoryProbe, MemoryReading, device_probe
 from elastic_batches.memory.meter import Meter
-from elastic_batches.oom import ElasticOOMError, Status, clear_error, is_oom_error, release_memory, status_of
+from elastic_batches.memory.shortfall import Shortfall
+from elastic_batches.oom import (
+    ElasticOOMError,
+    Status,
+    clear_error,
+    is_oom_error,
+    release_memory,
+    requested_bytes,
+    status_of,
+)
 from elastic_batches.plan import Plan
 from elastic_batches.rollback import Rollback
 
@@ -108,6 +118,9 @@ class _Call:
     probe: MemoryProbe | None
     learned: dict[str, Any] | None  # the memory model before the call: put back unless an OOM taught it
     floor: int  # the BatchNorm floor
+    watch: MemoryProbe | None = None  # what the error at the limit reads (the step's probe, or an active budget)
+    before: MemoryReading | None = None  # its reading before the first attempt
+    held: int | None = None  # its bytes in use when this rank's last attempt ran out
     saved: bool = False
     first: bool = True  # only the first attempt of a call measures: a retry is planned from what it learned
 
@@ -155,6 +168,8 @@ class AttemptEngine:
             None if model is None else model.state_dict(),
             self.batchnorm.floor(),
         )
+        call.watch = self._watching(probe)
+        call.before = _read(call.watch)
         try:
             while True:
                 plan, meter = self.plan(call)
@@ -211,6 +226,8 @@ class AttemptEngine:
             result = call.work.run(plan, meter, progress)
         except Exception as err:  # maybe on this rank only: the vote must still happen
             status, error = status_of(err), err
+        reading = _read(call.watch) if status == Status.OOM and call.before is not None else None
+        call.held = None if reading is None else reading.in_use  # the failed attempt's tensors are alive yet
         capacity = self._forecast(meter, error)
         return Outcome(status, progress.size, progress.total, progress.started, progress.sizes, capacity, result, error)
 
@@ -257,6 +274,8 @@ class AttemptEngine:
             final = self.batchnorm.limit(call.load, list(sizes), verdict.oom_size)
         except ElasticOOMError as err:
             final = err
+        if final is not None:
+            final = self._explained(final, call, verdict.oom_size, error)
         self._stop_together(final, error)
 
     def release(self, call: _Call) -> None:
@@ -285,6 +304,28 @@ class AttemptEngine:
             self._devices_key = key
             self._devices = tuple(dict.fromkeys(d for d in (_CPU, *key) if d is not None))
         return self._devices
+
+    def _explained(
+        self, final: ElasticOOMError, call: _Call, size: int, error: BaseException | None
+    ) -> ElasticOOMError:
+        """The error at the limit, with what the probe saw: in use before the step, and what the microbatch needed.
+
+        Only where this rank ran out itself: a rank stopped by a peer's OOM says nothing of its own memory.
+        """
+        if call.before is None or error is None or not is_oom_error(error) or isinstance(error, PeerFailure):
+            return final
+        shortfall = Shortfall(type(call.watch).__name__, call.before, call.held, requested_bytes(error))
+        return ElasticOOMError(f"{final}. {shortfall.note(size, self.controller.unit)}")
+
+    def _watching(self, probe: MemoryProbe | None) -> MemoryProbe | None:
+        """What the error at the limit reads: the step's probe, else the innermost active one (a ``MemoryBudget``)."""
+        if probe is not None:
+            return probe
+        if isinstance(self.step.memory, MemoryProbe):
+            return self.step.memory
+        if self._probe is not None:
+            return self._probe
+        return next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, MemoryProbe)), None)
 
     def _model(self, probe: MemoryProbe | None) -> MemoryModel | None:
         return self.controller.memory if probe is not None else None
@@ -394,6 +435,16 @@ class AttemptEngine:
                 f"rank(s) {list(outcome.oom_ranks)} ran out of memory even at their smallest microbatch; this rank "
                 "stops too instead of waiting for them (see their error for what was tried)"
             ) from oom
+
+
+def _read(probe: MemoryProbe | None) -> MemoryReading | None:
+    """``probe``'s reading, or ``None`` (no probe, or it raised: a message must not fail for it)."""
+    if probe is None:
+        return None
+    try:
+        return probe.memory_reading()
+    except Exception:
+        return None
 
 
 def raise_if_failed(outcome: Verdict, error: BaseException | None, where: str) -> None:

@@ -15,7 +15,16 @@ import traceback
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["ElasticOOMError", "Status", "is_nccl_oom", "clear_error", "is_oom_error", "release_memory", "status_of"]
+__all__ = [
+    "ElasticOOMError",
+    "Status",
+    "clear_error",
+    "is_nccl_oom",
+    "is_oom_error",
+    "release_memory",
+    "requested_bytes",
+    "status_of",
+]
 
 
 class ElasticOOMError(torch.OutOfMemoryError):
@@ -109,6 +118,30 @@ def is_oom_error(exc: BaseException) -> bool:
         return False
     message = str(exc)
     return any(pattern in message for pattern in _OOM_MESSAGES) or _CUDNN_ALLOC.search(message) is not None
+
+
+_REQUEST = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) (bytes|KiB|MiB|GiB|TiB)")
+_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def requested_bytes(exc: BaseException | None) -> int | None:
+    """The allocation an out-of-memory error says failed (``Tried to allocate 20.00 MiB``), in bytes; else ``None``.
+
+    CUDA's caching allocator and ``elastic_batches.testing.MemoryBudget`` say it in the same words;
+    the value is as precise as the message (two decimals of its unit).
+
+    Example:
+        >>> import torch
+        >>> from elastic_batches.oom import requested_bytes
+        >>> requested_bytes(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 MiB. GPU 0 has ..."))
+        2621440
+        >>> requested_bytes(RuntimeError("CUDA error: out of memory")) is None
+        True
+    """
+    found = _REQUEST.search(str(exc)) if exc is not None and is_oom_error(exc) else None
+    if found is None:
+        return None
+    return round(float(found.group(1)) * _UNITS[found.group(2)])
 
 
 def status_of(exc: BaseException) -> Status:

@@ -314,6 +314,23 @@ def test_a_limit_reached_on_one_rank_stops_every_rank(ranks: RankPool, kind: str
     assert results[1]["raised"] is not None and "rank(s) [0] ran out of memory" in results[1]["raised"]
 
 
+def _limit_in_budgets(rank: int, world: int) -> dict[str, Any]:
+    """Both ranks in a MemoryBudget; rank 1's cannot hold the gradients, rank 0's has no limit."""
+    from elastic_batches.testing import MemoryBudget
+
+    model = _distribute("ddp", _plain_model())
+    batch = _batch(0, rank, 8)
+    with MemoryBudget(None if rank == 0 else 256):
+        return _final_oom(eb.ElasticStep(model), model, batch, "backward")
+
+
+def test_only_the_rank_that_ran_out_names_its_memory(ranks: RankPool) -> None:
+    results = ranks.run(_limit_in_budgets, timeout=60)
+    assert all("even at microbatch size 1" in str(result["raised"]) for result in results)
+    assert re.search(r"MemoryBudget: \d+ bytes of 256 bytes were in use before the step began", results[1]["raised"])
+    assert "in use before the step" not in results[0]["raised"]  # rank 0 stopped for rank 1's OOM, not its own
+
+
 def _parameters_do_not_fit(rank: int, world: int, stage: str) -> dict[str, Any]:
     """FSDP2 gathered once an attempt: rank 1 cannot hold the unsharded parameters, which every microbatch needs."""
     model = _distribute("fsdp", _plain_model())

@@ -272,6 +272,31 @@ def test_oom_at_microbatch_size_one_raises_elastic_oom_error_and_restores_grads(
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
+@pytest.mark.parametrize("as_probe", [False, True], ids=["budget-entered", "budget-as-the-steps-probe"])
+def test_oom_at_one_row_names_the_memory_in_use_before_the_step(as_probe: bool) -> None:
+    # the model is made inside the budget, whose limit is then set below its parameters and their gradients
+    budget = MemoryBudget(None)
+    with budget:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # 67588 bytes: 66.00 KiB
+    assert budget.live_bytes == params
+    budget.limit_bytes = params * 3 // 2  # 99.01 KiB: the first layer's gradient (64.00 KiB) never fits
+    step = eb.ElasticStep(model, memory=budget if as_probe else None)
+    batch = torch.randn(8, 64)  # made outside: not counted
+    with (
+        pytest.raises(
+            eb.ElasticOOMError,
+            match=r"even at microbatch size 1 \(8 microbatches\).*lower the batch size or free memory\. MemoryBudget: "
+            r"66\.00 KiB of 99\.01 KiB were in use before the step began \(67%: the model, its gradients and optimizer "
+            r"state.*\), leaving 33\.00 KiB; the microbatch of 1 row held \d+\.\d+ KiB more when an allocation of "
+            r"64\.00 KiB failed: it needs at least \d+\.\d+ KiB, \d+\.\d+ KiB more than was left\. No split makes",
+        ),
+        budget,
+    ):
+        step.backward(batch, lambda mb: model(mb).pow(2).mean())
+
+
 # ---------------------------------------------------------------------------------------------
 # Simulated device memory
 

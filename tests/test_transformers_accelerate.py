@@ -99,35 +99,39 @@ def _loop_script() -> Any:
     return module
 
 
-def full_batch_reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The plain loop's weights after its steps at the full batch, and the initial weights."""
+def full_batch_reference(rows: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The plain loop's weights after its steps at the full batch of ``rows``, and the initial weights."""
     loop = _loop_script()
-    model, data = loop.model_and_data()
+    model, data = loop.model_and_data(rows)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    for x, y in torch.utils.data.DataLoader(data, batch_size=loop.ROWS):
+    for x, y in torch.utils.data.DataLoader(data, batch_size=rows):
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict(), start
 
 
+# Under accelerate.accumulate on 2 processes the batch of a rank is 256 / (2 x 2) = 64 rows, not 16: the second
+# batch of an accumulation holds its gradient and the first's (32 KiB for the first layer), and a split one a
+# microbatch's gradient besides, as much as 16 rows' activations (35 KiB), so no budget OOMs at 16 rows and fits 1.
 LOOPS = [
-    pytest.param([], ["150000"], 1, id="one-process"),
-    pytest.param([], ["130000"], 2, id="one-process-accumulate-2"),
-    pytest.param(ACCELERATE, ["0", "130000"], 1, id="accelerate-launch-2-processes"),
+    pytest.param([], ["150000"], 1, 64, id="one-process"),
+    pytest.param([], ["130000"], 2, 64, id="one-process-accumulate-2"),
+    pytest.param(ACCELERATE, ["0", "130000"], 1, 64, id="accelerate-launch-2-processes"),
+    pytest.param(ACCELERATE, ["0", "200000"], 2, 256, id="accelerate-launch-2-processes-accumulate-2"),
 ]
 
 
-@pytest.mark.parametrize(("launcher", "budgets", "accumulate"), LOOPS)
+@pytest.mark.parametrize(("launcher", "budgets", "accumulate", "rows"), LOOPS)
 def test_plain_accelerate_loop_with_elastic_step_is_exact(
-    launcher: list[str], budgets: list[str], accumulate: int, tmp_path: Path
+    launcher: list[str], budgets: list[str], accumulate: int, rows: int, tmp_path: Path
 ) -> None:
     out = tmp_path / "loop.pt"
-    script = [str(SCRIPTS / "accelerate_loop.py"), "--out", str(out), "--budgets", *budgets]
+    script = [str(SCRIPTS / "accelerate_loop.py"), "--out", str(out), "--budgets", *budgets, "--rows", str(rows)]
     command = [*(launcher or [sys.executable]), *script, "--accumulate", str(accumulate)]
     got = launch(command, out)
     assert len(got["ooms"]) == len(budgets) and got["ooms"][0] >= 1
     assert len(set(got["ooms"])) == 1  # the ranks agreed on every OOM
-    want, start = full_batch_reference()
+    want, start = full_batch_reference(rows)
     assert relative(got["weights"], want, start) < RTOL

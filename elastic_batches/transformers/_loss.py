@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastic_batches.oom import ElasticOOMError, is_oom_error
 from elastic_batches.variable_length.counts import LabelCount, label_count
 
 __all__ = ["combine_predictions", "item_count", "loss_sums_over_items", "microbatch_scale"]
@@ -111,6 +112,9 @@ def loss_sums_over_items(trainer: Any, model: nn.Module, inputs: Mapping[str, An
 
     Returns:
         ``True`` for a sum (also where the row's loss is zero or not finite: HF's own reading).
+
+    Raises:
+        ElasticOOMError: out of memory in that row's forward: no split lets the model train.
     """
     module = trainer.accelerator.unwrap_model(model)
     modes = [(m, m.training) for m in module.modules()]
@@ -120,6 +124,15 @@ def loss_sums_over_items(trainer: Any, model: nn.Module, inputs: Mapping[str, An
         with torch.no_grad(), trainer.compute_loss_context_manager():
             once = float(trainer.compute_loss(module, dict(one), num_items_in_batch=num_items))
             twice = float(trainer.compute_loss(module, dict(one), num_items_in_batch=num_items * 2))
+    except Exception as err:
+        if not is_oom_error(err):
+            raise
+        raise ElasticOOMError(
+            f"elastic_batches.transformers.Trainer: out of memory in the forward of one row without gradients "
+            f"({type(module).__name__}, read once to tell how its loss uses num_items_in_batch): a training "
+            "microbatch of one row needs more, so no split can fit it. Free memory held before training, or use a "
+            "smaller model or a device with more"
+        ) from err
     finally:
         for m, training in modes:
             m.training = training

@@ -23,6 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from elastic_batches.batch import ElasticBatch, Microbatch
 from elastic_batches.controller import SplitController
+from elastic_batches.memory import MemoryProbe, check_memory
 from elastic_batches.step import ElasticStep
 from elastic_batches.transformers._loss import combine_predictions, item_count, loss_sums_over_items, microbatch_scale
 from elastic_batches.variable_length.trim import TrimPadding
@@ -59,6 +60,16 @@ class Trainer(transformers.Trainer):
     the batch and splits instead of shrinking it (said once in the log). Mixed precision
     (``bf16``, ``fp16`` with its grad scaler) runs through HF's ``accelerator.backward``.
 
+    Args:
+        *args: ``transformers.Trainer``'s.
+        memory: The memory probe the training steps measure each microbatch with, to predict
+            the split from measured memory (``ElasticStep(memory=...)``): ``"auto"`` (default)
+            the device's (CUDA, XPU; none on a CPU), a
+            :class:`~elastic_batches.memory.MemoryProbe` (on a CPU, the
+            ``elastic_batches.testing.MemoryBudget`` the training runs in), or ``None``: the
+            OOM-driven search alone.
+        **kwargs: ``transformers.Trainer``'s.
+
     Attributes:
         split_controller: The training batches' :class:`~elastic_batches.SplitController`.
         eval_split_controller: The controller of ``evaluate`` and ``predict``.
@@ -86,8 +97,10 @@ class Trainer(transformers.Trainer):
         (1, 2)
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, memory: MemoryProbe | str | None = "auto", **kwargs: Any) -> None:
+        check_memory("elastic_batches.transformers.Trainer", memory)
         super().__init__(*args, **kwargs)
+        self.memory = memory
         self.split_controller = SplitController()
         self.eval_split_controller = SplitController()
         self._steps: dict[tuple[int, bool], ElasticStep] = {}
@@ -119,14 +132,14 @@ class Trainer(transformers.Trainer):
 
         Returns:
             The step, made at the first call: training backpropagates through HF's
-            ``accelerator.backward`` (its grad scaler), and measures memory where the device
-            has a probe (``memory="auto"``).
+            ``accelerator.backward`` (its grad scaler), and measures memory with the
+            trainer's ``memory`` (``"auto"``: where the device has a probe).
         """
         key = (id(model), evaluation)
         if key not in self._steps:
             controller = self.eval_split_controller if evaluation else self.split_controller
             backward = None if evaluation else self.accelerator.backward
-            self._steps[key] = ElasticStep(model, controller=controller, backward_fn=backward)
+            self._steps[key] = ElasticStep(model, controller=controller, backward_fn=backward, memory=self.memory)
         return self._steps[key]
 
     def training_step(

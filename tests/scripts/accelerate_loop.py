@@ -5,8 +5,8 @@ optimizer, loader = accelerator.prepare(...)``, then ``ElasticStep(model,
 backward_fn=accelerator.backward)`` instead of ``accelerator.backward``, each rank inside its own
 ``MemoryBudget`` (``--budgets``, one per rank: ranks that run out of memory at different sizes).
 With ``--accumulate N`` the loop runs under ``accelerator.accumulate(model)`` with
-``gradient_accumulation_steps=N``. Rank 0 saves the final weights and each rank's OOM count to
-``--out`` (a ``torch.save`` file).
+``gradient_accumulation_steps=N``; ``--rows`` is the global batch of one optimizer step. Rank 0
+saves the final weights and each rank's OOM count to ``--out`` (a ``torch.save`` file).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget
 
-FEATURES, ROWS, STEPS = 32, 64, 3  # ROWS: the global batch of one optimizer step
+FEATURES, ROWS, STEPS = 32, 64, 3  # ROWS: the global batch of one optimizer step (by default)
 
 
-def model_and_data() -> tuple[nn.Module, torch.utils.data.TensorDataset]:
+def model_and_data(rows: int = ROWS) -> tuple[nn.Module, torch.utils.data.TensorDataset]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 1))
-    x = torch.randn(ROWS * STEPS, FEATURES)
+    x = torch.randn(rows * STEPS, FEATURES)
     return model, torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
 
 
@@ -35,11 +35,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--budgets", type=int, nargs="+", required=True)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=ROWS)
     options = parser.parse_args()
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=options.accumulate)
-    model, data = model_and_data()
-    per_process = ROWS // (accelerator.num_processes * options.accumulate)
+    model, data = model_and_data(options.rows)
+    per_process = options.rows // (accelerator.num_processes * options.accumulate)
     loader = torch.utils.data.DataLoader(data, batch_size=per_process)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
