@@ -24,7 +24,7 @@ from elastic_batches.batchnorm import BatchNormPolicy
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import Ballot, GradientSync, Verdict
 from elastic_batches.distributed.guard import PeerFailure
-from elastic_batches.memory import MemoryModel, MemoryProbe, MemoryReading, device_probe
+from elastic_batches.memory import MemoryModel, MemoryProbe, MemoryReading, active_probe, device_probe
 from elastic_batches.memory.meter import Meter
 from elastic_batches.oom import ElasticOOMError, Status, clear_error, is_oom_error, release_memory, status_of
 from elastic_batches.plan import Plan
@@ -124,7 +124,8 @@ class AttemptEngine:
         self.rollback = Rollback(step.model)
         self.batchnorm = BatchNormPolicy(step.model)
         self.graph_checked = False  # the first loss's autograd graph was checked for foreign parameters
-        self._probe: MemoryProbe | None = None  # resolved at the first backward
+        self._probe: MemoryProbe | None = None  # the device's, resolved at the first backward
+        self._device: str | None = None  # the device it was looked for on (once looked for)
         self._said: set[str] = set()  # the fall-backs to the search already warned about
         self._devices_key: tuple[torch.device | None, torch.device | None] | None = None
         self._devices: tuple[torch.device, ...] = ()
@@ -290,21 +291,25 @@ class AttemptEngine:
         return self.controller.memory if probe is not None else None
 
     def _memory_probe(self) -> MemoryProbe | None:
-        """The probe ``backward`` measures with, or ``None`` (no probe, or the controller predicts nothing)."""
+        """The probe ``backward`` measures with, or ``None`` (no probe, or the controller predicts nothing).
+
+        With ``memory="auto"``: the device's probe (found once), else the :class:`MemoryProbe`
+        active as a dispatch mode around this call (``with MemoryBudget(...):``), else none.
+        """
         model = self.controller.memory
         memory = self.step.memory
         if model is None or not model.enabled or memory is None:
             return None
         if isinstance(memory, MemoryProbe):
             return memory
-        if self._probe is None:
+        if self._device is None:
             first = next(iter(self.sync.parameters()), None)
             device = self.step.device if self.step.device is not None else None if first is None else first.device
+            self._device = "this device" if device is None else str(device)
             self._probe = device_probe(device)
-            if self._probe is None:
-                self.step.memory = None  # no probe for this device: not looked for again
-                model.unprobed = "this device" if device is None else str(device)
-        return self._probe
+        probe = self._probe if self._probe is not None else active_probe()
+        model.unprobed = None if probe is not None else self._device
+        return probe
 
     def _reading(self, probe: MemoryProbe | None) -> MemoryReading | None:
         """The probe's reading before an attempt, or ``None`` where it cannot plan (said once each way).

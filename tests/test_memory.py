@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_batches.memory import AcceleratorProbe, MemoryModel, MemoryReading, device_probe
+from elastic_batches.memory import AcceleratorProbe, MemoryModel, MemoryReading, active_probe, device_probe
 from elastic_batches.testing import MemoryBudget, StandInCuda
 
 
@@ -242,7 +242,7 @@ def test_the_cuda_probe_counts_the_allocator_cache_as_free_and_keeps_to_the_frac
 
 
 # ---------------------------------------------------------------------------------------------
-# the user's peak statistics under the CUDA probe (a stand-in)
+# memory="auto" under an active budget; the user's peak statistics under the CUDA probe (a stand-in)
 
 
 def _mlp_step(memory: Any = "auto") -> tuple[torch.nn.Module, Any, Any]:
@@ -257,6 +257,35 @@ def _mlp_step(memory: Any = "auto") -> tuple[torch.nn.Module, Any, Any]:
         return (model(mb[0]) - mb[1]).pow(2).mean()
 
     return model, step, lambda: step.backward(batch, loss_fn)
+
+
+def test_memory_auto_measures_with_the_active_memory_budget() -> None:
+    _, step, run = _mlp_step()
+    with MemoryBudget(limit_bytes=64 << 20) as budget:
+        assert active_probe() is budget
+        run()
+    model = step.controller.memory
+    assert model is not None and model.ready and model.unprobed is None  # it measured and fitted
+    assert model.per_unit > 0 and budget.peak_bytes > 0
+    _, outside, run_outside = _mlp_step()
+    run_outside()  # a CPU, no budget: no probe, nothing measured
+    assert outside.controller.memory is not None and not outside.controller.memory.ready
+    assert outside.controller.memory.unprobed == "cpu" and active_probe() is None
+    with MemoryBudget(limit_bytes=64 << 20):  # the same step, later under a budget: it measures from then on
+        run_outside()
+    assert outside.controller.memory.ready and outside.controller.memory.unprobed is None
+
+
+def test_memory_auto_under_a_budget_predicts_as_the_probe_passed_explicitly() -> None:
+    splits = []
+    for memory in ("auto", "explicit"):
+        budget = MemoryBudget(limit_bytes=320 << 10)
+        _, step, run = _mlp_step(memory=budget if memory == "explicit" else "auto")
+        with budget:
+            for _ in range(3):
+                run()
+        splits.append((step.controller.split_count, step.controller.oom_count, budget.oom_count))
+    assert splits[0] == splits[1] and splits[0][0] > 1  # the same split, the same OOMs, as memory=budget
 
 
 def test_the_stand_in_refuses_a_device_without_an_index_where_cuda_does() -> None:

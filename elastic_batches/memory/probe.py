@@ -13,8 +13,10 @@ the capacity. Probes exist for
   peak window, and ``limit_bytes``.
 
 MPS has no peak statistic in torch (``torch.mps`` reports the current allocation only), so it
-gets no probe, like the CPU: where no probe exists, the controller's OOM-driven search runs as
-it always did.
+gets no probe, like the CPU. Where the device has no probe, ``memory="auto"`` measures with the
+:class:`MemoryProbe` active as a dispatch mode (:func:`active_probe`: inside
+``with MemoryBudget(...):``), so a script run on a CPU under a budget predicts as it will on a
+GPU; where there is none either, the controller's OOM-driven search runs as it always did.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import abc
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "check_memory", "device_probe"]
+__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "active_probe", "check_memory", "device_probe"]
 
 
 class MemoryReading(NamedTuple):
@@ -192,6 +195,27 @@ class AcceleratorProbe(MemoryProbe):
 
     def window_peak(self) -> int:
         return int(self._module.max_memory_allocated(self.device))
+
+
+def active_probe() -> MemoryProbe | None:
+    """The innermost :class:`MemoryProbe` active as a dispatch mode (``with MemoryBudget(...):``), or ``None``.
+
+    ``ElasticStep(memory="auto")`` measures with it where the device has no probe of its own (a
+    CPU), so a script run under a budget predicts exactly as it will on a GPU.
+
+    Example:
+        >>> from elastic_batches.memory import active_probe
+        >>> from elastic_batches.testing import MemoryBudget
+        >>> with MemoryBudget(limit_bytes=1 << 20) as budget:
+        ...     active_probe() is budget
+        True
+        >>> active_probe() is None
+        True
+    """
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryProbe):
+            return mode
+    return None
 
 
 def device_probe(device: torch.device | str | None) -> MemoryProbe | None:
