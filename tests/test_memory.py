@@ -6,6 +6,7 @@ byte (``fixed`` and ``per_unit`` of a line through exact points are exact in flo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from elastic_batches.memory import AcceleratorProbe, MemoryModel, MemoryReading, active_probe, device_probe
-from elastic_batches.testing import MemoryBudget, StandInCuda
+from elastic_batches.testing import MemoryBudget, StandInCuda, inject_oom
 
 
 def _linear(model: MemoryModel, fixed: int, per_unit: int, sizes: list[int], retained: int = 0) -> MemoryModel:
@@ -224,6 +225,9 @@ class _FakeCuda:
     def max_memory_allocated(self, device: Any) -> int:
         return 7 * self.GiB
 
+    def max_memory_reserved(self, device: Any) -> int:
+        return 9 * self.GiB
+
     def reset_peak_memory_stats(self, device: Any) -> None:
         self.resets += 1
 
@@ -314,3 +318,53 @@ def test_the_user_peak_statistics_after_a_step_report_the_true_maximum(earlier: 
     assert cuda.memory_stats()["allocated_bytes.all.peak"] == truth.peak_bytes  # what DeviceStatsMonitor reads
     if probed:
         assert step.controller.memory is not None and step.controller.memory.ready  # it did measure per microbatch
+
+
+@pytest.mark.parametrize(
+    ("earlier", "oom"),
+    [(12 << 20, False), (32 << 20, False), (-8, False), (12 << 20, True)],
+    ids=[
+        "user-emptied-12-MiB",
+        "user-emptied-32-MiB",
+        "user-emptied-8-small-segments",
+        "the-step-emptied-after-an-oom",
+    ],
+)
+def test_the_user_reserved_peak_after_a_step_is_the_true_maximum(earlier: int, oom: bool) -> None:
+    cuda = StandInCuda(256 << 20)
+    probe = AcceleratorProbe(torch.device("cuda", 0), module=cuda)
+    model, step, run = _mlp_step(memory=probe)
+    seen: list[tuple[int, int]] = []  # (allocated, reserved) peaks, read before every reset of the step's windows
+    reset, finish = cuda.reset_peak_memory_stats, probe.finish
+
+    def spy_reset(device: Any = None) -> None:
+        seen.append((cuda.max_memory_allocated(), cuda.max_memory_reserved()))
+        reset(device)
+
+    def spy_finish() -> None:
+        seen.append((cuda.max_memory_allocated(), cuda.max_memory_reserved()))
+        finish()
+
+    injected = inject_oom(model[0], phase="backward", calls=1) if oom else contextlib.nullcontext()
+    with cuda.budget, injected:  # with an OOM: in the second microbatch's backward
+        held = torch.empty(4096)  # the user's model, say: allocated throughout
+        cuda.reset_peak_memory_stats()  # the user's own reset, then an earlier peak of theirs
+        earlier_tensors = (
+            [torch.empty(earlier // 4)] if earlier > 0 else [torch.empty(1 << 18) for _ in range(-earlier)]
+        )
+        del earlier_tensors  # (-8: eight 1 MiB tensors, each in the small pool: 2 MiB segments)
+        if not oom:  # the user's own empty_cache: reserved drops below the peak (else the step's, after the OOM)
+            cuda.empty_cache()
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr(cuda, "reset_peak_memory_stats", spy_reset)
+        monkey.setattr(probe, "finish", spy_finish)
+        try:
+            run()
+        finally:
+            monkey.undo()
+        del held
+    true_allocated, true_reserved = max(a for a, _ in seen), max(r for _, r in seen)
+    assert true_reserved > seen[-1][1] and len(seen) >= 2  # the last window's peak is below the true one
+    assert step.controller.oom_count == int(oom)
+    assert (cuda.max_memory_allocated(), cuda.max_memory_reserved()) == (true_allocated, true_reserved)
+    assert cuda.memory_stats()["reserved_bytes.all.peak"] == true_reserved  # what DeviceStatsMonitor reads
