@@ -209,13 +209,11 @@ class AcceleratorProbe(MemoryProbe):
                 held += [module.caching_allocator_alloc(size, device) for size in requests]
             missing = peak - int(module.memory_allocated(device))
             if missing > 0 and peak > int(module.max_memory_allocated(device)):
-                # allocated bytes are multiples of 512, as the allocator rounds: the peak becomes exactly `peak`;
-                # under 10 MiB, in requests of at most 1 MiB, which the small pool's cached blocks serve best
-                sizes = (
-                    [missing]
-                    if missing >= 10 << 20
-                    else [min(1 << 20, missing - at) for at in range(0, missing, 1 << 20)]
-                )
+                # allocated bytes are multiples of 512, as the allocator rounds: the peak becomes exactly `peak`. Under
+                # 10 MiB with room for new 2 MiB segments, in requests of at most 1 MiB (the small pool's cached
+                # blocks serve them, where one request would take a 20 MiB segment); else one, served from the cache
+                small = missing < 10 << 20 and self._free() >= missing + (2 << 20)
+                sizes = [min(1 << 20, missing - at) for at in range(0, missing, 1 << 20)] if small else [missing]
                 held += [module.caching_allocator_alloc(size, device) for size in sizes]
         except RuntimeError:  # no cached block that large, and no room for one: leave the peak lower
             pass
