@@ -368,3 +368,102 @@ def test_the_user_reserved_peak_after_a_step_is_the_true_maximum(earlier: int, o
     assert step.controller.oom_count == int(oom)
     assert (cuda.max_memory_allocated(), cuda.max_memory_reserved()) == (true_allocated, true_reserved)
     assert cuda.memory_stats()["reserved_bytes.all.peak"] == true_reserved  # what DeviceStatsMonitor reads
+
+
+# ---------------------------------------------------------------------------------------------
+# a model spread over two devices in one process (a stand-in with 2 devices)
+
+
+class _OnDevice(torch.Tensor):
+    """A tensor that says it lives on ``device`` (no data): what the engine reads of a parameter to find its devices."""
+
+    @staticmethod
+    def __new__(cls, device: torch.device) -> _OnDevice:
+        return torch.Tensor._make_wrapper_subclass(cls, (1,), device=device, dtype=torch.float32)  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(func)
+
+
+_CPU, _CUDA = torch.device("cpu"), [torch.device("cuda", i) for i in (0, 1)]
+
+
+def test_the_stand_in_has_two_devices_and_checks_their_index_as_cuda_does() -> None:
+    cuda = StandInCuda(64 << 20, device_count=2)
+    with cuda.budgets[1]:
+        x = torch.empty(1 << 18)  # 1 MiB on cuda:1
+    assert (cuda.memory_allocated(0), cuda.memory_allocated(torch.device("cuda", 1))) == (0, 1 << 20)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        cuda.memory_allocated(2)
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        cuda.set_per_process_memory_fraction(0.5, "cuda")
+    del x
+
+
+def test_the_engine_finds_every_device_of_the_parameters_and_probes_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    import elastic_batches as eb
+    from elastic_batches.memory import DevicesProbe, devices_probe
+
+    cuda = StandInCuda(64 << 20, device_count=2)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    step = eb.ElasticStep(torch.nn.Linear(2, 1), memory=None)
+    on = [_OnDevice(torch.device("cuda", i)) for i in (0, 1, 1)]
+    assert step.engine.devices(on) == (_CPU, *_CUDA)
+    probe = devices_probe(_CUDA)
+    assert isinstance(probe, DevicesProbe) and [p.device.index for p in probe.probes] == [0, 1]  # type: ignore[attr-defined]
+    with cuda.budgets[1]:
+        held = torch.empty(4 << 18)  # 4 MiB on cuda:1: the tighter device
+    # capacity: the smaller of the two (64 MiB each), in use: what leaves the least room (cuda:1's 4 MiB)
+    assert probe.memory_reading() == MemoryReading(4 << 20, 64 << 20)
+    assert probe.start_window() == 4 << 20
+    with cuda.budgets[0]:
+        spike = torch.empty(2 << 18)  # 2 MiB on cuda:0 leaves it more room than cuda:1 has
+    del spike
+    with cuda.budgets[1]:
+        spike = torch.empty(1 << 18)  # 1 MiB more on cuda:1: the least room in the window
+    del spike
+    assert probe.window_peak() == 5 << 20
+    del held
+
+
+def test_the_random_state_of_both_devices_is_rewound_after_a_failed_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    import elastic_batches as eb
+    from elastic_batches.testing import inject_oom
+
+    cuda = StandInCuda(64 << 20, device_count=2)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    spread = [_OnDevice(torch.device("cuda", i)) for i in (0, 1)]  # where device_map="auto" put the parameters
+
+    def run(split_count: int, oom: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        torch.default_generator.manual_seed(0)  # (torch.manual_seed would seed the real torch.cuda)
+        for index in (0, 1):
+            cuda.generator(index).manual_seed(10 + index)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+        step = eb.ElasticStep(model, controller=eb.SplitController(split_count=split_count), memory=None)
+        find = step.engine.devices  # the engine's own search, over parameters on cuda:0 and cuda:1
+        monkeypatch.setattr(step.engine, "devices", lambda params, batch=None: find([*(params or ()), *spread], batch))
+        masks: list[torch.Tensor] = []
+
+        def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            first = torch.rand(len(mb[0]), 16, generator=cuda.generator(0))  # a dropout on cuda:0
+            hidden = model[0](mb[0]) * (first > 0.5)
+            second = torch.rand(len(mb[0]), 1, generator=cuda.generator(1))  # one on cuda:1
+            masks.append(torch.cat([first.flatten(), second.flatten()]))
+            return ((model[1](hidden) * (second > 0.5)) - mb[1]).pow(2).mean()
+
+        batch = (torch.randn(12, 8), torch.randn(12, 1))
+        injected = inject_oom(model[1], phase="forward", calls=1) if oom else contextlib.nullcontext()
+        with injected:  # with an OOM: in the first attempt's second microbatch
+            step.backward(batch, loss_fn)
+        assert step.controller.oom_count == int(oom)
+        count = step.controller.split_count
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None], masks[-count:], count
+
+    retried_grads, retried_masks, count = run(2, oom=True)
+    direct_grads, direct_masks, _ = run(count, oom=False)  # the same step run directly at the retry's split
+    assert count > 2
+    for got, want in zip(retried_masks, direct_masks, strict=True):
+        assert torch.equal(got, want)  # both devices' random numbers, as a direct run draws them
+    for got, want in zip(retried_grads, direct_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
