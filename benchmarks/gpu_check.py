@@ -29,8 +29,16 @@ The checks, per allocator:
    creates its handle and workspace) and a first convolution (cuDNN): the error's type, message
    and whether ``is_oom_error`` takes it for an OOM (it must, for any allocation failure).
 
-Not here (left to ``benchmarks/cuda_oom.py`` and the distributed benchmarks): NCCL, FSDP2 and
-throughput against a sweep of fixed microbatch sizes.
+7. **One-rank DDP with the vote.** A one-rank process group (NCCL on a GPU, gloo on the stand-in)
+   and a DDP model under a cap the full batch does not fit: the OOM is voted on, the batch
+   retried, and the gradient equals the full batch's.
+8. **FSDP2 per module on one rank.** ``fully_shard`` on each layer and the root, the step with
+   ``gather="module"``, the same cap: retried, the gradient (``full_tensor()``) equals the full
+   batch's.
+9. **Throughput of the settled plan.** The predicting step's settled split, timed over a few
+   steps, against a sweep of fixed microbatch sizes (each the OOM-free split of a fixed count):
+   its samples per second over the best of the sweep (reported; at least 0.9 on a GPU is the
+   target, timings on the stand-in are the CPU's).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -293,6 +303,108 @@ def _predicted(dev: Device, sizes: Sizes) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _one_rank(dev: Device) -> Iterator[None]:
+    """A process group of one rank: NCCL on a GPU, gloo on the stand-in (a file rendezvous, no port)."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as folder:
+        backend = "nccl" if dev.module is torch.cuda else "gloo"
+        options: dict[str, Any] = {"device_id": dev.index} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=0, world_size=1, **options)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _full(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+
+
+def _distributed(dev: Device, sizes: Sizes, kind: str) -> dict[str, Any]:
+    """Checks 7 and 8: one rank's DDP or FSDP2 (per module) step under a cap the full batch does not fit."""
+    model = _model(dev, sizes)
+    batch = (torch.randn(sizes.rows, sizes.width, device=dev.tensors), torch.randn(sizes.rows, 1, device=dev.tensors))
+    _peaks(dev, model, batch)
+    reference = _grads(model)
+    model.zero_grad(set_to_none=True)
+    with _one_rank(dev):
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [dev.index] if dev.module is torch.cuda else None
+            wrapped: torch.nn.Module = DistributedDataParallel(model, device_ids=ids)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for index in (0, 2, 4):
+                fully_shard(model[index])
+            wrapped = fully_shard(model)
+        rest, _, peak = _peaks(dev, wrapped, batch)  # the wrapper's own memory (sharded parameters, buckets) in it
+        model.zero_grad(set_to_none=True)
+        dev.module.empty_cache()
+        dev.cap(rest + (peak - rest) // 2)
+        step = ElasticStep(wrapped, controller=SplitController(margin=None), gather="module", memory=None)
+        step.backward(batch, lambda mb, net=wrapped: (net(mb[0]) - mb[1]).pow(2).mean())
+        dev.cap(dev.total)  # the comparison allocates
+        error = _relative_error(_full(_grads(model)), reference)
+        ooms, split = step.controller.oom_count, step.controller.split_count
+        model.zero_grad(set_to_none=True)
+        del step, wrapped, model
+        gc.collect()  # the wrapper's hooks and buckets form cycles: freed before the next check
+        dev.module.empty_cache()
+    return {"ooms": ooms, "split_count": split, "gradient_relative_error": error}
+
+
+def _timed(dev: Device, step: ElasticStep, model: torch.nn.Module, batch: Any, steps: int) -> float:
+    """Samples per second of ``steps`` steps (after one untimed)."""
+    loss_fn = lambda mb: (model(mb[0]) - mb[1]).pow(2).mean()  # noqa: E731
+    step.backward(batch, loss_fn)
+    model.zero_grad(set_to_none=True)
+    dev.module.synchronize(dev.index)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step.backward(batch, loss_fn)
+        model.zero_grad(set_to_none=True)
+    dev.module.synchronize(dev.index)
+    return steps * len(batch[0]) / (time.perf_counter() - start)
+
+
+def _throughput(dev: Device, sizes: Sizes, steps: int = 3) -> dict[str, Any]:
+    """Check 9: the settled plan's samples per second against the best fixed microbatch size of a sweep."""
+    model = _model(dev, sizes)
+    batch = (torch.randn(sizes.rows, sizes.width, device=dev.tensors), torch.randn(sizes.rows, 1, device=dev.tensors))
+    rest, _, peak = _peaks(dev, model, batch)
+    model.zero_grad(set_to_none=True)
+    dev.module.empty_cache()
+    dev.cap(rest + (peak - rest) // 2)
+    probe = AcceleratorProbe(dev.index, module=dev.module)
+    predicted = ElasticStep(model, controller=SplitController(), memory=probe)
+    for _ in range(PREDICTED_STEPS):  # until it settles
+        predicted.backward(batch, lambda mb: (model(mb[0]) - mb[1]).pow(2).mean())
+        model.zero_grad(set_to_none=True)
+    settled = predicted.controller.split_count
+    speed = _timed(dev, predicted, model, batch, steps)
+    sweep: dict[int, float] = {}
+    for count in sorted({max(1, settled // 2), settled, settled + 1, 2 * settled, 4 * settled}):
+        fixed = ElasticStep(model, controller=SplitController(split_count=count, margin=None), memory=None)
+        try:
+            rate = _timed(dev, fixed, model, batch, steps)
+        except Exception as err:
+            if not is_oom_error(err):
+                raise
+            release_memory(err)
+            continue
+        if fixed.controller.split_count == count:  # it ran at that count: no OOM raised it
+            sweep[count] = rate
+    dev.cap(dev.total)
+    best = max(sweep.values(), default=float("nan"))
+    return {
+        "settled_split": settled, "settled_samples_per_s": speed, "sweep_samples_per_s": sweep, "ratio": speed / best,
+    }  # fmt: skip
+
+
 def _hold(nbytes: int, ready: Any, done: Any) -> None:  # pragma: no cover (a GPU child process)
     held = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     ready.set()
@@ -369,6 +481,12 @@ _FAILED_PREDICTED: dict[str, Any] = {
 }  # fmt: skip
 
 
+_FAILED_DISTRIBUTED: dict[str, Any] = {"ooms": 0, "split_count": 0, "gradient_relative_error": float("inf")}
+_FAILED_THROUGHPUT: dict[str, Any] = {
+    "settled_split": 0, "settled_samples_per_s": 0.0, "sweep_samples_per_s": {}, "ratio": 0.0,
+}  # fmt: skip
+
+
 def _guarded(check: Callable[..., dict[str, Any]], failed: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
     """``check(*args, **kwargs)``; if it raises an OOM error (``ElasticOOMError`` among them), a failed record."""
     try:
@@ -388,6 +506,9 @@ def run_checks(dev: Device, sizes: Sizes, allocator: str) -> tuple[dict[str, boo
         backward = _guarded(_retried, _FAILED_RETRIED, dev, sizes, "backward", containers=0)
         forward = _guarded(_retried, _FAILED_RETRIED, dev, sizes, "forward", containers=30_000)
         predicted = _guarded(_predicted, _FAILED_PREDICTED, dev, sizes)
+        ddp = _guarded(_distributed, _FAILED_DISTRIBUTED, dev, sizes, "ddp")
+        fsdp = _guarded(_distributed, _FAILED_DISTRIBUTED, dev, sizes, "fsdp2")
+        speed = _guarded(_throughput, _FAILED_THROUGHPUT, dev, sizes)
         disguised = _disguised(dev)
     checks = {
         "OOM in backward caught and retried": "backward" in backward["phases"] + forward["phases"],
@@ -404,6 +525,11 @@ def run_checks(dev: Device, sizes: Sizes, allocator: str) -> tuple[dict[str, boo
         "user's peak kept after a probed step": predicted["user_peak_after_step"] >= predicted["user_peak"],
         "memory taken by another process: adapted, last step without OOM": predicted["ooms_in_the_last_step_then"] == 0,
         "disguised OOMs taken for OOMs": all(row[3] != "False" for row in disguised),
+        f"one-rank DDP: OOM voted, retried, gradient within {RTOL:g}": ddp["ooms"] >= 1
+        and ddp["gradient_relative_error"] <= RTOL,
+        f"FSDP2 per module, one rank: retried, gradient within {RTOL:g}": fsdp["ooms"] >= 1
+        and fsdp["gradient_relative_error"] <= RTOL,
+        "settled plan within 10% of the best fixed microbatch size": speed["ratio"] >= 0.9,
     }
     mib = 1 << 20
     rows: list[list[Any]] = [
@@ -427,10 +553,21 @@ def run_checks(dev: Device, sizes: Sizes, allocator: str) -> tuple[dict[str, boo
          f"{predicted['ooms_after_another_process']}, {predicted['ooms_in_the_last_step_then']}"],
     ]  # fmt: skip
     rows += [
+        [allocator, f"one-rank {name}: OOMs / split, gradient relative error",
+         f"{r['ooms']} / {r['split_count']}, {r['gradient_relative_error']:.1e}"]
+        for name, r in (("DDP", ddp), ("FSDP2 per module", fsdp))
+    ]  # fmt: skip
+    sweep = " ".join(f"{k}:{v:.0f}" for k, v in speed["sweep_samples_per_s"].items()) or "-"
+    rates = f"{speed['settled_split']}: {speed['settled_samples_per_s']:.0f}; {sweep}; {speed['ratio']:.2f}"
+    rows.append([allocator, "samples/s: settled split, then fixed splits (count:rate), ratio to the best", rates])
+    rows += [
         [allocator, f"{name}: type, is_oom_error", f"{kind}, {oom} {message!r}"]
         for name, kind, message, oom in disguised
     ]
-    record = {"allocator": allocator, "backward": backward, "forward": forward, "predicted": predicted}
+    record = {
+        "allocator": allocator, "backward": backward, "forward": forward, "predicted": predicted,
+        "ddp": ddp, "fsdp2": fsdp, "throughput": speed,
+    }  # fmt: skip
     return checks, rows, record
 
 

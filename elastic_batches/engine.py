@@ -25,7 +25,7 @@ from elastic_batches.batchnorm import BatchNormPolicy
 from elastic_batches.controller import SplitController
 from elastic_batches.distributed import Ballot, GradientSync, Verdict
 from elastic_batches.distributed.guard import PeerFailure
-from elastic_batches.memory import MemoryModel, MemoryProbe, MemoryReading, device_probe
+from elastic_batches.memory import MemoryModel, MemoryProbe, MemoryReading, active_probe, devices_probe
 from elastic_batches.memory.meter import Meter
 from elastic_batches.memory.shortfall import Shortfall
 from elastic_batches.oom import (
@@ -43,6 +43,11 @@ from elastic_batches.rollback import Rollback
 __all__ = ["AttemptEngine", "Outcome", "Progress", "StepSettings", "Work", "raise_if_failed"]
 
 _CPU = torch.device("cpu")
+
+
+def batch_devices(batch: ElasticBatch) -> tuple[torch.device, ...]:
+    """The devices the batch's tensor fields are on, each once."""
+    return tuple(dict.fromkeys(v.device for v in batch.fields.values() if isinstance(v, torch.Tensor)))
 
 
 class StepSettings(Protocol):
@@ -137,9 +142,10 @@ class AttemptEngine:
         self.rollback = Rollback(step.model)
         self.batchnorm = BatchNormPolicy(step.model)
         self.graph_checked = False  # the first loss's autograd graph was checked for foreign parameters
-        self._probe: MemoryProbe | None = None  # resolved at the first backward
+        self._probe: MemoryProbe | None = None  # the device's, resolved at the first backward
+        self._device: str | None = None  # the device it was looked for on (once looked for)
         self._said: set[str] = set()  # the fall-backs to the search already warned about
-        self._devices_key: tuple[torch.device | None, torch.device | None] | None = None
+        self._devices_key: tuple[int, torch.device | None, torch.device | None] | None = None
         self._devices: tuple[torch.device, ...] = ()
 
     @property
@@ -158,7 +164,7 @@ class AttemptEngine:
             Exception: what :meth:`learn` raises: this rank's own error, or a peer's failure.
         """
         self._check_tag(batch)
-        probe = self._memory_probe() if work.where == "backward" else None
+        probe = self._memory_probe(batch) if work.where == "backward" else None
         model = self._model(probe)
         call = _Call(
             batch,
@@ -217,7 +223,7 @@ class AttemptEngine:
         status, error, result = Status.OK, None, None
         try:
             if not call.saved:  # inside the attempt: what saving allocates is the attempt's
-                self.rollback.save(self.devices(call.work.params))
+                self.rollback.save(self.devices(call.work.params, call.batch))
                 call.saved = True
             if len(plan.sizes) > 1 or plan.measuring:
                 self.batchnorm.warn(
@@ -296,14 +302,24 @@ class AttemptEngine:
 
     # -- what the phases ask --------------------------------------------------------------------
 
-    def devices(self, params: Sequence[torch.Tensor] | None) -> tuple[torch.device, ...]:
-        """The devices whose random generators a microbatch may draw from: the CPU, the model's and the step's."""
-        first = params[0] if params else next(iter(self.sync.parameters()), None)
-        key = (None if first is None else first.device, self.step.device)
+    def devices(
+        self, params: Sequence[torch.Tensor] | None, batch: ElasticBatch | None = None
+    ) -> tuple[torch.device, ...]:
+        """The devices a microbatch may draw random numbers on: the CPU, every parameter's, the step's and the batch's.
+
+        A model spread over several devices in one process (``device_map="auto"``, manual model
+        parallel) uses each of its parameters' devices; their set is found again only when the
+        parameters change (their count, or the first one's device).
+        """
+        params = list(params) if params else list(self.sync.parameters())
+        key = (len(params), None if not params else params[0].device, self.step.device)
         if key != self._devices_key:
             self._devices_key = key
-            self._devices = tuple(dict.fromkeys(d for d in (_CPU, *key) if d is not None))
-        return self._devices
+            found = dict.fromkeys(p.device for p in params)
+            self._devices = tuple(dict.fromkeys(d for d in (_CPU, *found, self.step.device) if d is not None))
+        if batch is None:
+            return self._devices
+        return tuple(dict.fromkeys((*self._devices, *batch_devices(batch))))
 
     def _explained(
         self, final: ElasticOOMError, call: _Call, size: int, error: BaseException | None
@@ -330,22 +346,26 @@ class AttemptEngine:
     def _model(self, probe: MemoryProbe | None) -> MemoryModel | None:
         return self.controller.memory if probe is not None else None
 
-    def _memory_probe(self) -> MemoryProbe | None:
-        """The probe ``backward`` measures with, or ``None`` (no probe, or the controller predicts nothing)."""
+    def _memory_probe(self, batch: ElasticBatch) -> MemoryProbe | None:
+        """The probe ``backward`` measures with, or ``None`` (no probe, or the controller predicts nothing).
+
+        With ``memory="auto"``: the probe of the accelerators the parameters, the step and the
+        batch use (found once; several devices: a :class:`DevicesProbe`), else the :class:`MemoryProbe`
+        active as a dispatch mode around this call (``with MemoryBudget(...):``), else none.
+        """
         model = self.controller.memory
         memory = self.step.memory
         if model is None or not model.enabled or memory is None:
             return None
         if isinstance(memory, MemoryProbe):
             return memory
-        if self._probe is None:
-            first = next(iter(self.sync.parameters()), None)
-            device = self.step.device if self.step.device is not None else None if first is None else first.device
-            self._probe = device_probe(device)
-            if self._probe is None:
-                self.step.memory = None  # no probe for this device: not looked for again
-                model.unprobed = "this device" if device is None else str(device)
-        return self._probe
+        if self._device is None:
+            devices = [d for d in self.devices(None, batch) if d.type != "cpu"]
+            self._device = ", ".join(str(d) for d in devices) or "cpu"
+            self._probe = devices_probe(devices)
+        probe = self._probe if self._probe is not None else active_probe()
+        model.unprobed = None if probe is not None else self._device
+        return probe
 
     def _reading(self, probe: MemoryProbe | None) -> MemoryReading | None:
         """The probe's reading before an attempt, or ``None`` where it cannot plan (said once each way).

@@ -8,8 +8,10 @@ What it shows:
   microbatch is cut to its own longest sample;
 - ``count_fn``: the loss is a mean over non-ignored tokens, and the accumulated gradient is the
   gradient of that mean over the whole batch (checked against one full-batch step);
-- a simulated device (``MemoryBudget``) too small for a whole batch: the tokens controller runs
-  out of memory, splits, and gives batches of longer text more microbatches.
+- a simulated device (``MemoryBudget``) too small for a whole batch: the step measures each
+  microbatch under it (``memory="auto"`` finds the active budget, as it finds a GPU's probe),
+  the tokens controller predicts the split from what it measured (at most one OOM to settle)
+  and gives batches of longer text more microbatches.
 
 Run it: ``python examples/causal_lm.py`` (``--quick`` for a few seconds' run).
 """

@@ -785,7 +785,7 @@ def _resume(rank: int, world: int, kind: str) -> dict[str, Any]:
         controller = eb.SplitController()
         if state is not None:
             controller.load_state_dict(state)
-        step = eb.ElasticStep(model, controller=controller)
+        step = eb.ElasticStep(model, controller=controller, memory=None)  # the OOM-driven search's state resumed
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         budget = MemoryBudget(limit)
         for i in range(3):

@@ -502,7 +502,7 @@ def _memory(rank: int, world: int) -> dict[str, Any]:
     outcomes: dict[str, Any] = {"limit": limit, "peaks": peaks}
     for gather in ("attempt", "auto", "module"):
         model = _shard(_model(**WIDE))
-        step = eb.ElasticStep(model, controller=eb.SplitController(), gather=gather)
+        step = eb.ElasticStep(model, controller=eb.SplitController(), gather=gather, memory=None)  # the OOM search
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         try:
             with MemoryBudget(limit):

@@ -6,6 +6,7 @@ byte (``fixed`` and ``per_unit`` of a line through exact points are exact in flo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -15,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_batches.memory import AcceleratorProbe, MemoryModel, MemoryReading, device_probe
-from elastic_batches.testing import MemoryBudget, StandInCuda
+from elastic_batches.memory import AcceleratorProbe, MemoryModel, MemoryReading, active_probe, device_probe
+from elastic_batches.testing import MemoryBudget, StandInCuda, inject_oom
 
 
 def _linear(model: MemoryModel, fixed: int, per_unit: int, sizes: list[int], retained: int = 0) -> MemoryModel:
@@ -224,6 +225,9 @@ class _FakeCuda:
     def max_memory_allocated(self, device: Any) -> int:
         return 7 * self.GiB
 
+    def max_memory_reserved(self, device: Any) -> int:
+        return 9 * self.GiB
+
     def reset_peak_memory_stats(self, device: Any) -> None:
         self.resets += 1
 
@@ -242,7 +246,7 @@ def test_the_cuda_probe_counts_the_allocator_cache_as_free_and_keeps_to_the_frac
 
 
 # ---------------------------------------------------------------------------------------------
-# the user's peak statistics under the CUDA probe (a stand-in)
+# memory="auto" under an active budget; the user's peak statistics under the CUDA probe (a stand-in)
 
 
 def _mlp_step(memory: Any = "auto") -> tuple[torch.nn.Module, Any, Any]:
@@ -257,6 +261,35 @@ def _mlp_step(memory: Any = "auto") -> tuple[torch.nn.Module, Any, Any]:
         return (model(mb[0]) - mb[1]).pow(2).mean()
 
     return model, step, lambda: step.backward(batch, loss_fn)
+
+
+def test_memory_auto_measures_with_the_active_memory_budget() -> None:
+    _, step, run = _mlp_step()
+    with MemoryBudget(limit_bytes=64 << 20) as budget:
+        assert active_probe() is budget
+        run()
+    model = step.controller.memory
+    assert model is not None and model.ready and model.unprobed is None  # it measured and fitted
+    assert model.per_unit > 0 and budget.peak_bytes > 0
+    _, outside, run_outside = _mlp_step()
+    run_outside()  # a CPU, no budget: no probe, nothing measured
+    assert outside.controller.memory is not None and not outside.controller.memory.ready
+    assert outside.controller.memory.unprobed == "cpu" and active_probe() is None
+    with MemoryBudget(limit_bytes=64 << 20):  # the same step, later under a budget: it measures from then on
+        run_outside()
+    assert outside.controller.memory.ready and outside.controller.memory.unprobed is None
+
+
+def test_memory_auto_under_a_budget_predicts_as_the_probe_passed_explicitly() -> None:
+    splits = []
+    for memory in ("auto", "explicit"):
+        budget = MemoryBudget(limit_bytes=320 << 10)
+        _, step, run = _mlp_step(memory=budget if memory == "explicit" else "auto")
+        with budget:
+            for _ in range(3):
+                run()
+        splits.append((step.controller.split_count, step.controller.oom_count, budget.oom_count))
+    assert splits[0] == splits[1] and splits[0][0] > 1  # the same split, the same OOMs, as memory=budget
 
 
 def test_the_stand_in_refuses_a_device_without_an_index_where_cuda_does() -> None:
@@ -285,3 +318,152 @@ def test_the_user_peak_statistics_after_a_step_report_the_true_maximum(earlier: 
     assert cuda.memory_stats()["allocated_bytes.all.peak"] == truth.peak_bytes  # what DeviceStatsMonitor reads
     if probed:
         assert step.controller.memory is not None and step.controller.memory.ready  # it did measure per microbatch
+
+
+@pytest.mark.parametrize(
+    ("earlier", "oom"),
+    [(12 << 20, False), (32 << 20, False), (-8, False), (12 << 20, True)],
+    ids=[
+        "user-emptied-12-MiB",
+        "user-emptied-32-MiB",
+        "user-emptied-8-small-segments",
+        "the-step-emptied-after-an-oom",
+    ],
+)
+def test_the_user_reserved_peak_after_a_step_is_the_true_maximum(earlier: int, oom: bool) -> None:
+    cuda = StandInCuda(256 << 20)
+    probe = AcceleratorProbe(torch.device("cuda", 0), module=cuda)
+    model, step, run = _mlp_step(memory=probe)
+    seen: list[tuple[int, int]] = []  # (allocated, reserved) peaks, read before every reset of the step's windows
+    reset, finish = cuda.reset_peak_memory_stats, probe.finish
+
+    def spy_reset(device: Any = None) -> None:
+        seen.append((cuda.max_memory_allocated(), cuda.max_memory_reserved()))
+        reset(device)
+
+    def spy_finish() -> None:
+        seen.append((cuda.max_memory_allocated(), cuda.max_memory_reserved()))
+        finish()
+
+    injected = inject_oom(model[0], phase="backward", calls=1) if oom else contextlib.nullcontext()
+    with cuda.budget, injected:  # with an OOM: in the second microbatch's backward
+        held = torch.empty(4096)  # the user's model, say: allocated throughout
+        cuda.reset_peak_memory_stats()  # the user's own reset, then an earlier peak of theirs
+        earlier_tensors = (
+            [torch.empty(earlier // 4)] if earlier > 0 else [torch.empty(1 << 18) for _ in range(-earlier)]
+        )
+        del earlier_tensors  # (-8: eight 1 MiB tensors, each in the small pool: 2 MiB segments)
+        if not oom:  # the user's own empty_cache: reserved drops below the peak (else the step's, after the OOM)
+            cuda.empty_cache()
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr(cuda, "reset_peak_memory_stats", spy_reset)
+        monkey.setattr(probe, "finish", spy_finish)
+        try:
+            run()
+        finally:
+            monkey.undo()
+        del held
+    true_allocated, true_reserved = max(a for a, _ in seen), max(r for _, r in seen)
+    assert true_reserved > seen[-1][1] and len(seen) >= 2  # the last window's peak is below the true one
+    assert step.controller.oom_count == int(oom)
+    assert (cuda.max_memory_allocated(), cuda.max_memory_reserved()) == (true_allocated, true_reserved)
+    assert cuda.memory_stats()["reserved_bytes.all.peak"] == true_reserved  # what DeviceStatsMonitor reads
+
+
+# ---------------------------------------------------------------------------------------------
+# a model spread over two devices in one process (a stand-in with 2 devices)
+
+
+class _OnDevice(torch.Tensor):
+    """A tensor that says it lives on ``device`` (no data): what the engine reads of a parameter to find its devices."""
+
+    @staticmethod
+    def __new__(cls, device: torch.device) -> _OnDevice:
+        return torch.Tensor._make_wrapper_subclass(cls, (1,), device=device, dtype=torch.float32)  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(func)
+
+
+_CPU, _CUDA = torch.device("cpu"), [torch.device("cuda", i) for i in (0, 1)]
+
+
+def test_the_stand_in_has_two_devices_and_checks_their_index_as_cuda_does() -> None:
+    cuda = StandInCuda(64 << 20, device_count=2)
+    with cuda.budgets[1]:
+        x = torch.empty(1 << 18)  # 1 MiB on cuda:1
+    assert (cuda.memory_allocated(0), cuda.memory_allocated(torch.device("cuda", 1))) == (0, 1 << 20)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        cuda.memory_allocated(2)
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        cuda.set_per_process_memory_fraction(0.5, "cuda")
+    del x
+
+
+def test_the_engine_finds_every_device_of_the_parameters_and_probes_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    import elastic_batches as eb
+    from elastic_batches.memory import DevicesProbe, devices_probe
+
+    cuda = StandInCuda(64 << 20, device_count=2)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    step = eb.ElasticStep(torch.nn.Linear(2, 1), memory=None)
+    on = [_OnDevice(torch.device("cuda", i)) for i in (0, 1, 1)]
+    assert step.engine.devices(on) == (_CPU, *_CUDA)
+    probe = devices_probe(_CUDA)
+    assert isinstance(probe, DevicesProbe) and [p.device.index for p in probe.probes] == [0, 1]  # type: ignore[attr-defined]
+    with cuda.budgets[1]:
+        held = torch.empty(4 << 18)  # 4 MiB on cuda:1: the tighter device
+    # capacity: the smaller of the two (64 MiB each), in use: what leaves the least room (cuda:1's 4 MiB)
+    assert probe.memory_reading() == MemoryReading(4 << 20, 64 << 20)
+    assert probe.start_window() == 4 << 20
+    with cuda.budgets[0]:
+        spike = torch.empty(2 << 18)  # 2 MiB on cuda:0 leaves it more room than cuda:1 has
+    del spike
+    with cuda.budgets[1]:
+        spike = torch.empty(1 << 18)  # 1 MiB more on cuda:1: the least room in the window
+    del spike
+    assert probe.window_peak() == 5 << 20
+    del held
+
+
+def test_the_random_state_of_both_devices_is_rewound_after_a_failed_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    import elastic_batches as eb
+    from elastic_batches.testing import inject_oom
+
+    cuda = StandInCuda(64 << 20, device_count=2)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    spread = [_OnDevice(torch.device("cuda", i)) for i in (0, 1)]  # where device_map="auto" put the parameters
+
+    def run(split_count: int, oom: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        torch.default_generator.manual_seed(0)  # (torch.manual_seed would seed the real torch.cuda)
+        for index in (0, 1):
+            cuda.generator(index).manual_seed(10 + index)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+        step = eb.ElasticStep(model, controller=eb.SplitController(split_count=split_count), memory=None)
+        find = step.engine.devices  # the engine's own search, over parameters on cuda:0 and cuda:1
+        monkeypatch.setattr(step.engine, "devices", lambda params, batch=None: find([*(params or ()), *spread], batch))
+        masks: list[torch.Tensor] = []
+
+        def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            first = torch.rand(len(mb[0]), 16, generator=cuda.generator(0))  # a dropout on cuda:0
+            hidden = model[0](mb[0]) * (first > 0.5)
+            second = torch.rand(len(mb[0]), 1, generator=cuda.generator(1))  # one on cuda:1
+            masks.append(torch.cat([first.flatten(), second.flatten()]))
+            return ((model[1](hidden) * (second > 0.5)) - mb[1]).pow(2).mean()
+
+        batch = (torch.randn(12, 8), torch.randn(12, 1))
+        injected = inject_oom(model[1], phase="forward", calls=1) if oom else contextlib.nullcontext()
+        with injected:  # with an OOM: in the first attempt's second microbatch
+            step.backward(batch, loss_fn)
+        assert step.controller.oom_count == int(oom)
+        count = step.controller.split_count
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None], masks[-count:], count
+
+    retried_grads, retried_masks, count = run(2, oom=True)
+    direct_grads, direct_masks, _ = run(count, oom=False)  # the same step run directly at the retry's split
+    assert count > 2
+    for got, want in zip(retried_masks, direct_masks, strict=True):
+        assert torch.equal(got, want)  # both devices' random numbers, as a direct run draws them
+    for got, want in zip(retried_grads, direct_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -205,7 +205,7 @@ def test_training_under_a_simulated_device_matches_full_batch_training() -> None
     eb.register_pyg_batch()
     elastic, plain = GCN(), GCN()
     loader = eb.MicrobatchingDataLoader(_loader(shuffle=True, generator=torch.Generator().manual_seed(1)))
-    step = eb.ElasticStep(elastic, controller=loader.controller)
+    step = eb.ElasticStep(elastic, controller=loader.controller, memory=None)  # the OOM-driven search under the budget
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (elastic, plain)]
     with MemoryBudget() as measure:
         elastic.graph_loss(next(iter(_loader()))).backward()

@@ -106,7 +106,8 @@ def test_weights_equal_hf_trainer_where_the_batch_fits(
     printed = capsys.readouterr().out
 
     controller = trainer.split_controller
-    assert controller.oom_count >= 1 and controller.split_count >= 2
+    # memory="auto" measures under the budget: the split is predicted, at most 1 OOM to settle
+    assert controller.oom_count <= 1 and controller.split_count >= 2
     assert trainer.state.global_step == reference.state.global_step == STEPS
     assert relative(got, want) < RTOL
     assert relative(got, want, initial_weights(name)) < RTOL  # the update itself, not only the weights
@@ -198,7 +199,7 @@ def test_controller_state_is_saved_in_checkpoints_and_restored_on_resume(tmp_pat
     checkpoint = tmp_path / "out" / "checkpoint-3"
     assert (checkpoint / "elastic_batches.pt").is_file()
     saved = torch.load(checkpoint / "elastic_batches.pt", weights_only=True)
-    assert saved["train"]["oom_count"] >= 1
+    assert saved["train"]["memory"]["later"]  # the memory model fitted under the budget (memory="auto") is saved
 
     resumed_model, resumed = trained(Trainer, "gpt2", args, MemoryBudget(BUDGET), resume=str(checkpoint))
     assert resumed.split_controller.oom_count == saved["train"]["oom_count"]  # planned from what was learned
@@ -224,7 +225,7 @@ def test_auto_find_batch_size_keeps_the_batch_and_splits(tmp_path: Path, caplog:
         got, trainer = trained(Trainer, "bert-classify", args, MemoryBudget(BUDGET))
     notes = [r.getMessage() for r in caplog.records if "auto_find_batch_size" in r.getMessage()]
     assert len(notes) == 1 and "keeps per_device_train_batch_size=16" in notes[0]
-    assert trainer.state.train_batch_size == BATCH and trainer.split_controller.oom_count >= 1
+    assert trainer.state.train_batch_size == BATCH and trainer.split_controller.split_count >= 2
     assert args.auto_find_batch_size is True  # the user's arguments are left as they were
     assert relative(got, want, initial_weights("bert-classify")) < RTOL
 
@@ -254,7 +255,7 @@ def test_bf16_mixed_precision_trains_close_to_hf(tmp_path: Path) -> None:
     args = arguments(tmp_path, bf16=True)
     want, _ = trained(transformers.Trainer, "bert-classify", args)
     got, trainer = trained(Trainer, "bert-classify", args, MemoryBudget(BUDGET * 3 // 5))  # bf16 activations
-    assert trainer.split_controller.oom_count >= 1
+    assert trainer.split_controller.split_count >= 2  # predicted under the budget (memory="auto")
     assert relative(got, want, initial_weights("bert-classify")) < 2e-2
 
 

@@ -365,6 +365,7 @@ def test_raw_strings_per_sample_follow_their_token_ids_into_each_microbatch() ->
 def test_causal_lm_example_runs_quick() -> None:
     example = runpy.run_path(str(ROOT / "examples" / "causal_lm.py"), run_name="causal_lm_example")
     summary = example["main"](quick=True)
-    assert summary["ooms"] >= 1 and summary["max_split_count"] > 1
+    # memory="auto" measures with the active MemoryBudget: the split is predicted, at most 1 OOM to settle
+    assert summary["ooms"] <= 1 and summary["max_split_count"] > 1
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["gradient_error"] < RTOL

@@ -13,8 +13,10 @@ the capacity. Probes exist for
   peak window, and ``limit_bytes``.
 
 MPS has no peak statistic in torch (``torch.mps`` reports the current allocation only), so it
-gets no probe, like the CPU: where no probe exists, the controller's OOM-driven search runs as
-it always did.
+gets no probe, like the CPU. Where the device has no probe, ``memory="auto"`` measures with the
+:class:`MemoryProbe` active as a dispatch mode (:func:`active_probe`: inside
+``with MemoryBudget(...):``), so a script run on a CPU under a budget predicts as it will on a
+GPU; where there is none either, the controller's OOM-driven search runs as it always did.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import abc
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "check_memory", "device_probe"]
+__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "active_probe", "check_memory", "device_probe"]
 
 
 class MemoryReading(NamedTuple):
@@ -111,13 +114,21 @@ class AcceleratorProbe(MemoryProbe):
     the controller's margin is kept for it, and grows after an OOM the model did not predict.
 
     Starting a window resets the device's peak statistics (``reset_peak_memory_stats``), as
-    measuring a peak per microbatch must; the peak before the first window and every window's
-    are kept, and :meth:`finish` (at the end of each step) puts the true maximum back, so that
-    the user's own ``max_memory_allocated()`` (Lightning's ``DeviceStatsMonitor``, Hugging
-    Face's memory tracker) reports the highest allocation since the user's last reset, as
-    without the probe: the allocator's peak is raised to it by one block taken and given back
-    at once from its cache (``caching_allocator_alloc``). ``max_memory_reserved`` is not put
-    back (raising it would reserve memory).
+    measuring a peak per microbatch must; the peaks before the first window and every window's
+    are kept, and :meth:`finish` (at the end of each step) puts the true maxima back, so that
+    the user's own ``max_memory_allocated()`` and ``max_memory_reserved()`` (Lightning's
+    ``DeviceStatsMonitor``, Hugging Face's memory tracker) report the highest since the user's
+    last reset, as without the probe. The allocator's peaks are raised to them by blocks taken
+    and given back at once (``caching_allocator_alloc``): the reserved peak first, by new
+    segments of the missing bytes (a request of 10 MiB or more is a segment of its size, 1 MiB
+    requests fill 2 MiB segments) that stay in the cache afterwards, as the user's peak had
+    them; then the allocated one, by one more block. The reserved peak is raised only as far as
+    the allocated peak allows (the blocks count as allocated) and the device's free memory
+    holds, and a cached block that serves a request instead of a new segment leaves it lower;
+    the allocated peak's last block may take a new segment where no cached block is that large
+    (the reserved peak then ends above the user's by that segment). Exact on
+    ``elastic_batches.testing.StandInCuda`` in ``tests/test_memory.py``; on a GPU,
+    ``benchmarks/gpu_check.py`` reports both.
 
     Args:
         device: A ``cuda`` or ``xpu`` device.
@@ -152,7 +163,8 @@ class AcceleratorProbe(MemoryProbe):
             device = torch.device(device.type, module.current_device())
         self.device = device
         self._module = module
-        self._user_peak: int | None = None  # the peak since the user's last reset, while windows are open
+        self._user_peak: int | None = None  # the allocated peak since the user's last reset, while windows are open
+        self._user_reserved = 0  # the reserved peak since the user's last reset, likewise
 
     def __repr__(self) -> str:
         return f"AcceleratorProbe({str(self.device)!r})"
@@ -171,27 +183,78 @@ class AcceleratorProbe(MemoryProbe):
     def start_window(self) -> int:
         module, device = self._module, self.device
         peak = int(module.max_memory_allocated(device))  # the user's peak, then the last window's
+        reserved = int(module.max_memory_reserved(device))
+        first = self._user_peak is None
         self._user_peak = peak if self._user_peak is None else max(self._user_peak, peak)
+        self._user_reserved = reserved if first else max(self._user_reserved, reserved)
         module.reset_peak_memory_stats(device)
         return int(module.memory_allocated(device))
 
     def finish(self) -> None:
-        """Raise the allocator's peak back to the highest allocation since the user's last reset."""
+        """Raise the allocator's peaks back to the highest reserved and allocated bytes since the user's last reset."""
         if self._user_peak is None:
             return
         module, device = self._module, self.device
         peak, self._user_peak = self._user_peak, None
-        missing = peak - int(module.memory_allocated(device))
-        if peak <= int(module.max_memory_allocated(device)) or not hasattr(module, "caching_allocator_alloc"):
+        if not hasattr(module, "caching_allocator_alloc"):
             return
-        try:  # allocated bytes are multiples of 512, as the allocator rounds: the peak becomes exactly `peak`
-            pointer = module.caching_allocator_alloc(missing, device)
+        allocated = int(module.memory_allocated(device))
+        held: list[int] = []
+        try:
+            missing = self._user_reserved - int(module.max_memory_reserved(device))
+            room = min(peak - allocated, self._free(), missing)  # the blocks count as allocated, and need new memory
+            if missing > 0 and room >= 2 << 20:
+                room -= room % (2 << 20)  # segments are multiples of 2 MiB
+                requests = [room] if room >= 10 << 20 else [1 << 20] * (room >> 20)
+                held += [module.caching_allocator_alloc(size, device) for size in requests]
+            missing = peak - int(module.memory_allocated(device))
+            if missing > 0 and peak > int(module.max_memory_allocated(device)):
+                # allocated bytes are multiples of 512, as the allocator rounds: the peak becomes exactly `peak`. Under
+                # 10 MiB with room for new 2 MiB segments, in requests of at most 1 MiB (the small pool's cached
+                # blocks serve them, where one request would take a 20 MiB segment); else one, served from the cache
+                small = missing < 10 << 20 and self._free() >= missing + (2 << 20)
+                sizes = [min(1 << 20, missing - at) for at in range(0, missing, 1 << 20)] if small else [missing]
+                held += [module.caching_allocator_alloc(size, device) for size in sizes]
         except RuntimeError:  # no cached block that large, and no room for one: leave the peak lower
-            return
-        module.caching_allocator_delete(pointer)
+            pass
+        finally:
+            for pointer in held:
+                module.caching_allocator_delete(pointer)
+
+    def _free(self) -> int:
+        """The bytes the allocator may still reserve: the device's free memory, within the per-process fraction."""
+        module, device = self._module, self.device
+        free, total = module.mem_get_info(device)
+        fraction = (
+            module.get_per_process_memory_fraction(device)
+            if hasattr(module, "get_per_process_memory_fraction")
+            else 1.0
+        )
+        return max(0, min(int(free), int(total * fraction) - int(module.memory_reserved(device))))
 
     def window_peak(self) -> int:
         return int(self._module.max_memory_allocated(self.device))
+
+
+def active_probe() -> MemoryProbe | None:
+    """The innermost :class:`MemoryProbe` active as a dispatch mode (``with MemoryBudget(...):``), or ``None``.
+
+    ``ElasticStep(memory="auto")`` measures with it where the device has no probe of its own (a
+    CPU), so a script run under a budget predicts exactly as it will on a GPU.
+
+    Example:
+        >>> from elastic_batches.memory import active_probe
+        >>> from elastic_batches.testing import MemoryBudget
+        >>> with MemoryBudget(limit_bytes=1 << 20) as budget:
+        ...     active_probe() is budget
+        True
+        >>> active_probe() is None
+        True
+    """
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryProbe):
+            return mode
+    return None
 
 
 def device_probe(device: torch.device | str | None) -> MemoryProbe | None:

@@ -6,7 +6,11 @@ CPU under a :class:`~elastic_batches.testing.MemoryBudget` with ``allocator="cac
 ``"expandable"``), and each function checks its ``device`` argument as the real one does, so
 that a call a GPU would refuse fails here too: ``set_per_process_memory_fraction``,
 ``get_per_process_memory_fraction`` and ``caching_allocator_alloc`` need a device with an index
-(``torch.device("cuda")`` raises ``ValueError``), the statistics accept one without.
+(``torch.device("cuda")`` raises ``ValueError``), the statistics accept one without, and an index
+past ``device_count`` raises ``invalid device ordinal``. With ``device_count=2`` it stands for a
+model spread over two devices in one process: each device has its own budget and its own
+default random generator (``get_rng_state`` / ``set_rng_state``, and :meth:`StandInCuda.generator`
+to draw from it, as a dropout on that device would).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from elastic_batches.testing.memory import MemoryBudget
 __all__ = ["StandInCuda"]
 
 
-def _index(device: Any, *, optional: bool) -> int:
+def _index(device: Any, *, optional: bool, count: int = 1) -> int:
     """The device index as ``torch.cuda._get_device_index`` finds it: refused where the real function refuses it."""
     if device is None and optional:
         return 0
@@ -35,23 +39,27 @@ def _index(device: Any, *, optional: bool) -> int:
     if isinstance(device, torch.device) and device.type != "cuda":
         raise ValueError(f"Expected a cuda device, but got: {device}")
     index = device if isinstance(device, int) else device.index
-    if index != 0:
-        raise RuntimeError(f"CUDA error: invalid device ordinal (the stand-in has one device, got index {index})")
-    return 0
+    if not 0 <= index < count:
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal (the stand-in has {count} device(s), got index {index})"
+        )
+    return index
 
 
 class StandInCuda:
-    """One simulated CUDA device: ``total_bytes`` of memory, a budget as its caching allocator.
+    """Simulated CUDA devices: ``total_bytes`` of memory each, a budget as each one's caching allocator.
 
     Args:
-        total_bytes: The device's memory (``mem_get_info``'s total).
+        total_bytes: Each device's memory (``mem_get_info``'s total).
         allocator: ``"caching"`` (default) or ``"expandable"`` (``expandable_segments:True``).
+        device_count: How many devices (``cuda:0`` ... ``cuda:{device_count - 1}``).
 
     Attributes:
-        budget: The :class:`MemoryBudget` whose limit is the per-process fraction of
-            ``total_bytes`` less :attr:`other_process_bytes`; enter it (``with cuda.budget:``)
-            around the code that allocates.
-        other_process_bytes: Bytes another process holds on the device (less free memory).
+        budgets: Per device, the :class:`MemoryBudget` whose limit is its per-process fraction
+            of ``total_bytes`` less what another process holds there; enter one
+            (``with cuda.budgets[1]:``) around the code that allocates on that device.
+        budget: ``budgets[0]``, the current device's.
+        other_process_bytes: Bytes another process holds on device 0 (less free memory).
 
     Example:
         >>> import torch
@@ -67,92 +75,116 @@ class StandInCuda:
         ... except ValueError as err:
         ...     print(err)
         Expected a torch.device with a specified index or an integer, but got:cuda
+        >>> two = StandInCuda(64 << 20, device_count=2)
+        >>> state = two.get_rng_state("cuda:1")
+        >>> first = torch.rand(2, generator=two.generator(1))
+        >>> two.set_rng_state(state, torch.device("cuda", 1))
+        >>> torch.equal(first, torch.rand(2, generator=two.generator(1)))
+        True
     """
 
-    def __init__(self, total_bytes: int, *, allocator: str = "caching") -> None:
+    def __init__(self, total_bytes: int, *, allocator: str = "caching", device_count: int = 1) -> None:
         if allocator not in ("caching", "expandable"):
             raise ValueError(f"StandInCuda: allocator must be 'caching' or 'expandable', got {allocator!r}")
+        if device_count < 1:
+            raise ValueError(f"StandInCuda: device_count must be at least 1, got {device_count}")
         self.total_bytes = int(total_bytes)
-        self.budget = MemoryBudget(self.total_bytes, allocator=allocator)
-        self.other_process_bytes = 0
-        self._fraction = 1.0
-        self._blocks: dict[int, torch.Tensor] = {}
+        self.budgets = [MemoryBudget(self.total_bytes, allocator=allocator) for _ in range(device_count)]
+        self.budget = self.budgets[0]
+        self._other = [0] * device_count
+        self._fractions = [1.0] * device_count
+        self._generators = [torch.Generator().manual_seed(index) for index in range(device_count)]
+        self._blocks: dict[int, tuple[int, torch.Tensor]] = {}
 
-    def _update_limit(self) -> None:
-        self.budget.limit_bytes = max(0, int(self.total_bytes * self._fraction) - self.other_process_bytes)
+    def _at(self, device: Any, *, optional: bool = True) -> int:
+        return _index(device, optional=optional, count=len(self.budgets))
 
-    def take_by_another_process(self, nbytes: int) -> None:
-        """Let another process hold ``nbytes`` of the device from now on (0: it let go)."""
-        self.other_process_bytes = int(nbytes)
-        self._update_limit()
+    @property
+    def other_process_bytes(self) -> int:
+        return self._other[0]
+
+    def _update_limit(self, index: int) -> None:
+        limit = int(self.total_bytes * self._fractions[index]) - self._other[index]
+        self.budgets[index].limit_bytes = max(0, limit)
+
+    def take_by_another_process(self, nbytes: int, device: Any = 0) -> None:
+        """Let another process hold ``nbytes`` of ``device`` from now on (0: it let go)."""
+        index = self._at(device)
+        self._other[index] = int(nbytes)
+        self._update_limit(index)
 
     def is_available(self) -> bool:
         return True
 
     def device_count(self) -> int:
-        return 1
+        return len(self.budgets)
 
     def current_device(self) -> int:
         return 0
 
     def synchronize(self, device: Any = None) -> None:
-        _index(device, optional=True)
+        self._at(device)
+
+    def generator(self, device: Any = None) -> torch.Generator:
+        """The default random generator of ``device`` (what ``torch.cuda``'s random functions on it draw from)."""
+        return self._generators[self._at(device)]
+
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
+        return self._generators[self._at(device)].get_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: Any = "cuda") -> None:
+        self._generators[self._at(device)].set_state(new_state)
 
     def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
-        _index(device, optional=False)
+        index = self._at(device, optional=False)
         if not isinstance(fraction, float) or not 0 <= fraction <= 1:
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        self._fraction = fraction
-        self._update_limit()
+        self._fractions[index] = fraction
+        self._update_limit(index)
 
     def get_per_process_memory_fraction(self, device: Any = None) -> float:
-        _index(device, optional=False)
-        return self._fraction
+        return self._fractions[self._at(device, optional=False)]
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        _index(device, optional=True)
-        used = self.budget.reserved_bytes + self.other_process_bytes
+        index = self._at(device)
+        used = self.budgets[index].reserved_bytes + self._other[index]
         return max(0, self.total_bytes - used), self.total_bytes
 
     def memory_allocated(self, device: Any = None) -> int:
-        _index(device, optional=True)
-        return self.budget.live_bytes
+        return self.budgets[self._at(device)].live_bytes
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        _index(device, optional=True)
-        return self.budget.peak_bytes
+        return self.budgets[self._at(device)].peak_bytes
 
     def memory_reserved(self, device: Any = None) -> int:
-        _index(device, optional=True)
-        return self.budget.reserved_bytes
+        return self.budgets[self._at(device)].reserved_bytes
 
     def max_memory_reserved(self, device: Any = None) -> int:
-        _index(device, optional=True)
-        return self.budget.peak_reserved_bytes
+        return self.budgets[self._at(device)].peak_reserved_bytes
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        _index(device, optional=True)
-        self.budget.reset_peak()
+        self.budgets[self._at(device)].reset_peak()
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
-        _index(device, optional=True)
+        budget = self.budgets[self._at(device)]
         return {
-            "allocated_bytes.all.current": self.budget.live_bytes,
-            "allocated_bytes.all.peak": self.budget.peak_bytes,
-            "reserved_bytes.all.current": self.budget.reserved_bytes,
-            "reserved_bytes.all.peak": self.budget.peak_reserved_bytes,
-            "num_ooms": self.budget.oom_count,
+            "allocated_bytes.all.current": budget.live_bytes,
+            "allocated_bytes.all.peak": budget.peak_bytes,
+            "reserved_bytes.all.current": budget.reserved_bytes,
+            "reserved_bytes.all.peak": budget.peak_reserved_bytes,
+            "num_ooms": budget.oom_count,
         }
 
     def empty_cache(self) -> None:
-        self.budget.empty_cache()
+        for budget in self.budgets:
+            budget.empty_cache()
 
     def caching_allocator_alloc(self, size: int, device: Any = None, stream: Any = None) -> int:
-        _index(device, optional=False)
-        with self.budget:
+        index = self._at(device, optional=False)
+        with self.budgets[index]:
             block = torch.empty(int(size), dtype=torch.uint8)
         pointer = block.data_ptr()
-        self._blocks[pointer] = block
+        self._blocks[pointer] = (index, block)
         return pointer
 
     def caching_allocator_delete(self, mem_ptr: int) -> None:

@@ -44,7 +44,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=per_process)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    step = eb.ElasticStep(model, backward_fn=accelerator.backward)
+    step = eb.ElasticStep(model, backward_fn=accelerator.backward, memory=None)  # the OOM-driven search
 
     with MemoryBudget(options.budgets[accelerator.process_index] or None):  # 0: no limit
         for x, y in loader:
