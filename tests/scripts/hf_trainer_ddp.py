@@ -25,15 +25,6 @@ from elastic_batches.transformers import Trainer
 STEPS = 4
 
 
-class SearchTrainer(Trainer):
-    """The elastic Trainer with the OOM-driven search (``memory=None``): the ranks' agreement on each OOM is tested."""
-
-    def elastic_step(self, model: Any, *, evaluation: bool = False) -> Any:
-        step = super().elastic_step(model, evaluation=evaluation)
-        step.memory = None
-        return step
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -61,8 +52,10 @@ def main() -> None:
         train_sampling_strategy="sequential",
     )
     model, collator, samples = client("gpt2", rows=32 * STEPS * options.accumulate)
-    cls: Any = SearchTrainer if options.elastic else transformers.Trainer
-    trainer = cls(model=model, args=args, train_dataset=samples, data_collator=collator)
+    # the elastic Trainer with the OOM-driven search (memory=None): the ranks' agreement on each OOM is tested
+    elastic = {"memory": None} if options.elastic else {}
+    cls: Any = Trainer if options.elastic else transformers.Trainer
+    trainer = cls(model=model, args=args, train_dataset=samples, data_collator=collator, **elastic)
     rank = args.process_index
     limit = options.budgets[rank] or None
     with MemoryBudget(limit):
