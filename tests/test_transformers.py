@@ -302,10 +302,11 @@ def test_fp16_grad_scaler_with_split_microbatches_equals_hf(autocast: bool, tole
     # fp16-autocast: microbatches round differently in fp16 than the whole batch (measured: 3.3e-4 relative)
     args = arguments(tmp_path, fp16=True)
     runs = []
-    for cls, budget in ((transformers.Trainer, None), (Trainer, MemoryBudget(BUDGET))):
+    # the elastic Trainer with the OOM-driven search (memory=None), so that the split follows real OOMs
+    for cls, budget, options in ((transformers.Trainer, None, {}), (Trainer, MemoryBudget(BUDGET), {"memory": None})):
         rows = BATCH * STEPS
         model, collator, samples = hf_models.client("gpt2", rows=rows)
-        trainer = cls(model=model, args=args, train_dataset=samples, data_collator=collator)
+        trainer = cls(model=model, args=args, train_dataset=samples, data_collator=collator, **options)
         fp16 = Fp16OnCpu(trainer, model, autocast=autocast)
         with budget if budget is not None else contextlib.nullcontext():
             trainer.train()
