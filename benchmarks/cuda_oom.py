@@ -41,9 +41,9 @@ from _harness import emit, table
 
 from elastic_batches import ElasticStep, SplitController
 from elastic_batches.demo import DemoConfig
+from elastic_batches.demo_model import lm_loss
 from elastic_batches.memory import MemoryModel
 from elastic_batches.oom import is_oom_error, release_memory
-from elastic_batches.testing.models import lm_loss
 
 RTOL = 1e-5
 SETTLING_STEPS = 5

@@ -1,8 +1,8 @@
 """The fault-injection matrix of ``docs/reliability.md``: where an OOM strikes, and what follows.
 
-Runs every cell of ``elastic_batches.testing.fault_matrix`` (the cells ``tests/test_fault_matrix.py``
+Runs every cell of ``support.fault_matrix`` (the cells ``tests/test_fault_matrix.py``
 asserts): the one-process cells here, the DDP and FSDP2 cells as one job per loop and setting on
-two gloo ranks under a deadline (``elastic_batches.testing.ranks.RankPool``). Prints one markdown table per loop
+two gloo ranks under a deadline (``support.ranks.RankPool``). Prints one markdown table per loop
 (rows: where the OOM struck; columns: setting and ranks), a summary of the checks per job, and
 one JSON line per cell. Exits 1 if any cell fails.
 
@@ -10,7 +10,7 @@ one JSON line per cell. Exits 1 if any cell fails.
     python benchmarks/fault_matrix.py --leaks    # also the leak and changing-memory figures
 
 ``--leaks`` runs the procedures ``tests/test_reliability.py`` asserts bounds on
-(``elastic_batches.testing.fault_matrix.churn``) and prints what they measure: 200 OOM-and-retry
+(``support.fault_matrix.churn``) and prints what they measure: 200 OOM-and-retry
 cycles, memory that shrinks and grows back.
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the spawned ranks inherit it: Lightning's tips stay quiet
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support: the harness; ranks inherit it
 
 DEADLINE_S = 180
 
@@ -64,8 +65,8 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
     import logging
     import warnings
 
-    import elastic_batches.testing.fault_matrix as fm
-    from elastic_batches.testing.ranks import RankFailure, RankPool
+    import support.fault_matrix as fm
+    from support.ranks import RankFailure, RankPool
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -105,7 +106,7 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
 
 
 def entry(cell: Any, results: list[dict[str, Any]]) -> str:
-    import elastic_batches.testing.fault_matrix as fm
+    import support.fault_matrix as fm
 
     if not results:
         return "FAIL: hang or crash (deadline)"
@@ -114,7 +115,7 @@ def entry(cell: Any, results: list[dict[str, Any]]) -> str:
 
 def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
     """The markdown tables, a summary of the checks, JSON lines; the number of failing cells."""
-    import elastic_batches.testing.fault_matrix as fm
+    import support.fault_matrix as fm
 
     failures = 0
     for loop in fm.LOOPS:
@@ -153,7 +154,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
                 f"all {fm.SAMPLES} sample ids, {bad} with a sample lost, doubled or stray (largest deviation "
                 f"from a whole count {off:.1e})"
             )
-    print("\n#### Mixture of experts (per module and gathered once; `elastic_batches.testing.fault_matrix.experts`)\n")
+    print("\n#### Mixture of experts (per module and gathered once; `support.fault_matrix.experts`)\n")
     print("| routing | experts | gather | step | OOM | outcome |")
     print("|---|---|---|---|---|---|")
     for expert in fm.expert_cells():
@@ -184,7 +185,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
 
 def print_leaks() -> None:
     """The figures behind tests/test_reliability.py, measured with the procedures it asserts bounds on."""
-    from elastic_batches.testing.fault_matrix import churn
+    from support.fault_matrix import churn
 
     cycles = churn.oom_retry_cycles(cycles=200)
     print("\n#### 200 OOM-and-retry cycles (MLP 16-256-1, batch 64, budget between 1 and 2 microbatches)\n")

@@ -1,6 +1,6 @@
 """HF's ``auto_find_batch_size=True`` against ``elastic_batches.transformers.Trainer``, under the same budget.
 
-A tiny GPT-2 (``elastic_batches.testing.hf_models``) trains ``STEPS`` optimizer steps at
+A tiny GPT-2 (``support.hf_models``) trains ``STEPS`` optimizer steps at
 ``per_device_train_batch_size=16`` on the same variable-length texts, three ways:
 
 * ``fits``: HF's ``Trainer`` without a memory limit: the run whose batch fits, the reference;
@@ -21,17 +21,21 @@ Run: ``python benchmarks/hf_auto_batch.py`` (``ELASTIC_BATCHES_BENCH_QUICK=1``: 
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import transformers
 from _harness import QUICK, configure_threads, emit, table
 
 from elastic_batches.testing import MemoryBudget
-from elastic_batches.testing.hf_models import client
 from elastic_batches.transformers import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness lives in tests/support
+from support.hf_models import client  # noqa: E402
 
 BATCH = 16
 STEPS = 4 if QUICK else 8

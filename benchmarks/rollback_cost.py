@@ -31,8 +31,8 @@ from _harness import QUICK, configure_threads, emit, interleaved, median, table
 from torch import nn
 
 from elastic_batches.demo import DemoConfig
+from elastic_batches.demo_model import lm_loss
 from elastic_batches.rollback import Rollback
-from elastic_batches.testing.models import lm_loss
 
 ROUNDS = 7 if QUICK else 21
 CALLS = 20 if QUICK else 100  # rollback calls per round

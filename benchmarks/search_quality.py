@@ -59,8 +59,8 @@ from _policies import make, peak_at
 
 from elastic_batches import ElasticBatch, ElasticOOMError, SplitController
 from elastic_batches.demo import DemoConfig
+from elastic_batches.demo_model import lm_loss
 from elastic_batches.testing import MemoryBudget
-from elastic_batches.testing.models import lm_loss
 
 STEPS = 30 if QUICK else 60
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from elastic_batches import ElasticBatch, ElasticStep, SplitController
 from elastic_batches.demo import DemoConfig
-from elastic_batches.testing.models import lm_loss
+from elastic_batches.demo_model import lm_loss
 
 TARGET = 1.03
 SPLIT = 4

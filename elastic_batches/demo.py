@@ -39,10 +39,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from elastic_batches._state import is_int
 from elastic_batches.controller import SplitController
+from elastic_batches.demo_model import MarkovLanguage, TinyLM, lm_loss
 from elastic_batches.loader import MicrobatchingDataLoader
 from elastic_batches.step import ElasticStep
 from elastic_batches.testing import AddressSpaceLimit, MemoryBudget
-from elastic_batches.testing.models import MarkovLanguage, TinyLM, lm_loss
 
 __all__ = ["DemoConfig", "DemoResult", "main", "run_demo"]
 

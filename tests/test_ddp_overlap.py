@@ -20,7 +20,8 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches.distributed import ddp, gradient_sync_for
 from elastic_batches.testing import inject_oom
-from elastic_batches.testing.ranks import RankPool
+
+from support.ranks import RankPool
 
 RTOL = 1e-6
 LR = 0.1

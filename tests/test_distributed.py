@@ -1,6 +1,6 @@
 """Distributed ElasticStep: 2 gloo ranks, DDP and FSDP2.
 
-Every case runs on two spawned ranks (``elastic_batches.testing.ranks.RankPool``) under a 60 s
+Every case runs on two spawned ranks (``support.ranks.RankPool``) under a 60 s
 deadline: a hang fails the test with each rank's stack instead of freezing the suite. The
 reference for every result is plain full-batch training on the union of both ranks' batches,
 computed on each rank in float32; weights must match it within ``RTOL``.
@@ -23,7 +23,8 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches import distributed
 from elastic_batches.testing import MemoryBudget, inject_oom, inject_oom_in_optimizer
-from elastic_batches.testing.ranks import RankFailure, RankPool
+
+from support.ranks import RankFailure, RankPool
 
 RTOL = 1e-5
 LR = 0.1

@@ -1,6 +1,6 @@
 """The fault-injection matrix: an OOM in every phase, at every microbatch, on every rank.
 
-Each cell (``elastic_batches.testing.fault_matrix`` defines them and what they must show) trains a tiny model
+Each cell (``support.fault_matrix`` defines them and what they must show) trains a tiny model
 whose per-sample embedding counts how often each sample entered each step's gradient. A cell
 passes when its injection struck exactly where it was aimed (the microbatches thrown away and
 the split count the step ends with say so) and then either the run recovered, with weights
@@ -11,7 +11,7 @@ the start of an attempt and the ranks' vote: the transfer, the cut of a padded m
 optimizer step, every rank raised ``ElasticOOMError`` naming where and which ranks.
 
 One process: every cell runs here. DDP and FSDP2: all cells of one loop and setting run in one
-job on two spawned gloo ranks (``elastic_batches.testing.ranks.RankPool``), under a deadline after which
+job on two spawned gloo ranks (``support.ranks.RankPool``), under a deadline after which
 the ranks are killed and every cell of the job fails with their stacks: a hang is a failure,
 never a frozen suite. ``python benchmarks/fault_matrix.py`` prints the same cells as a table.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_batches.testing.fault_matrix import (
+from support.fault_matrix import (
     GLOBAL_ROWS,
     LOOP_SETTINGS,
     LOOPS,
@@ -51,7 +51,7 @@ from elastic_batches.testing.fault_matrix import (
     step_ids,
     validation_reference,
 )
-from elastic_batches.testing.ranks import RankFailure, RankPool
+from support.ranks import RankFailure, RankPool
 
 DEADLINE_S = 120  # one job: every cell of a loop and setting (about 3-7 s when nothing hangs)
 ALL_CELLS = [cell for loop in LOOPS for setting in LOOP_SETTINGS[loop] for cell in cells(loop, setting)]

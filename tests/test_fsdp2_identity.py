@@ -1,6 +1,6 @@
 """FSDP2 per module, second pass (issue 25): collectives paired by unit, evaluation between steps, tied weights.
 
-Two gloo ranks (four for HSDP), each case under a deadline (``elastic_batches.testing.ranks.RankPool``).
+Two gloo ranks (four for HSDP), each case under a deadline (``support.ranks.RankPool``).
 
 * A mixture of two experts where each rank routes every row to one expert (an expert with no row
   is skipped): under ``gather="module"`` the ranks would pair one expert's collectives with the
@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 import elastic_batches as eb
-from elastic_batches.testing.fault_matrix.experts import Experts
-from elastic_batches.testing.ranks import RankPool
+
+from support.fault_matrix.experts import Experts
+from support.ranks import RankPool
 
 RTOL = 1e-5
 LR = 0.1

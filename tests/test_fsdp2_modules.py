@@ -1,6 +1,6 @@
 """FSDP2 gathered per module (issue 15): FSDP2's own memory, an OOM on one rank anywhere never a hang.
 
-Two gloo ranks (four for HSDP), each case under a 60 s deadline (``elastic_batches.testing.ranks.RankPool``).
+Two gloo ranks (four for HSDP), each case under a 60 s deadline (``support.ranks.RankPool``).
 The model has four FSDP2 units (its linear layers) under an FSDP2 root. The reference is plain
 full-batch training on the union of the ranks' batches, in float32; weights must match it within
 ``RTOL``. OOMs are injected on one rank, or on both at different points: in the forward of the
@@ -30,7 +30,8 @@ from elastic_batches.testing import (
     inject_oom_in_all_gather,
     inject_oom_in_reduce_scatter,
 )
-from elastic_batches.testing.ranks import RankPool
+
+from support.ranks import RankPool
 
 RTOL = 1e-5
 LR = 0.1
@@ -593,7 +594,8 @@ def _lightning(rank: int, world: int, oom_step: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from elastic_batches.lightning import ElasticAccumulation, Trainer
-    from elastic_batches.testing.fault_matrix import lightning_environment
+
+    from support.fault_matrix import lightning_environment
 
     warnings.filterwarnings("ignore")
     lightning_environment(rank, world)

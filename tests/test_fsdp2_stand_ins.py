@@ -26,7 +26,8 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches.distributed.guard import CollectiveGuard
 from elastic_batches.testing import inject_oom, inject_oom_in_stand_in
-from elastic_batches.testing.ranks import RankPool
+
+from support.ranks import RankPool
 
 RTOL = 1e-5
 LR = 0.1

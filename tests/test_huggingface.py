@@ -20,7 +20,8 @@ from torch import nn
 
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget, inject_oom
-from elastic_batches.testing.hf_models import SPECIAL, WORDS, make_tokenizer
+
+from support.hf_models import SPECIAL, WORDS, make_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from elastic_batches.testing import MemoryBudget
-from elastic_batches.testing.ranks import RankPool
+
+from support.ranks import RankPool
 
 
 def test_a_storage_from_before_the_budget_counts_what_it_regains_after_being_freed() -> None:

@@ -13,7 +13,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import elastic_batches as eb
-from elastic_batches.testing.fault_matrix import churn
+
+from support.fault_matrix import churn
 
 RTOL = 1e-6
 

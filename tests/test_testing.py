@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -422,3 +425,31 @@ def test_optimizer_injection_respects_rank(monkeypatch: pytest.MonkeyPatch) -> N
 def test_inject_oom_in_optimizer_needs_an_optimizer() -> None:
     with pytest.raises(TypeError, match="needs a torch.optim.Optimizer, got Linear"):
         inject_oom_in_optimizer(nn.Linear(1, 1))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- the module
+
+_IMPORT_EVERY_MODULE = """
+import importlib, json, pkgutil, sys
+import elastic_batches.testing as testing
+after_init = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning", "transformers"))
+names = [m.name for m in pkgutil.walk_packages(testing.__path__, "elastic_batches.testing.")]
+for name in names:
+    importlib.import_module(name)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning", "transformers"))
+print(json.dumps({"after_init": after_init, "modules": names, "heavy": heavy}))
+"""
+
+
+def test_the_testing_module_imports_no_lightning_and_holds_no_harness() -> None:
+    """In a fresh process: ``import elastic_batches.testing``, then every module under it, leaves Lightning unloaded.
+
+    The project's harness (rank pools, fault matrix, Hugging Face clients) lives in ``tests/support/``, not here.
+    """
+    result = subprocess.run([sys.executable, "-c", _IMPORT_EVERY_MODULE], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["after_init"] == [] and found["heavy"] == []
+    assert "elastic_batches.testing.memory" in found["modules"]  # the walk did see the package's modules
+    harness = {"fault_matrix", "ranks", "models", "hf_models"}
+    assert [m for m in found["modules"] if m.split(".")[2] in harness] == []

@@ -29,8 +29,9 @@ from elastic_batches.testing import MemoryBudget
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-hf_models = pytest.importorskip("elastic_batches.testing.hf_models")
 from elastic_batches.transformers import Trainer  # noqa: E402 - after the skips
+
+from support import hf_models  # noqa: E402
 
 RTOL = 1e-5
 BATCH, STEPS = 16, 6

@@ -48,7 +48,8 @@ ACCELERATE = [
 
 def launch(command: list[str], out: Path) -> dict[str, Any]:
     """Run ``command`` under the deadline; what its rank 0 saved to ``out``."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])  # the scripts import support.hf_models
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -74,7 +75,7 @@ def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start:
 def test_hf_trainer_on_two_processes_equals_one_process_at_the_same_global_batch(
     accumulate: int, tmp_path: Path
 ) -> None:
-    from elastic_batches.testing.hf_models import tiny_gpt2
+    from support.hf_models import tiny_gpt2
 
     script = [str(SCRIPTS / "hf_trainer_ddp.py"), "--accumulate", str(accumulate)]
     one = tmp_path / "one.pt"

@@ -24,7 +24,8 @@ from torch import nn
 
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget, inject_oom
-from elastic_batches.testing.ranks import RankPool
+
+from support.ranks import RankPool
 
 RTOL = 1e-5
 PAD = {"input_ids": 0, "labels": -100}

@@ -21,6 +21,10 @@ same path it takes on a GPU:
   process's address space, under which torch raises its own ``DefaultCPUAllocator: can't
   allocate memory``.
 
+The module imports no Lightning (nor transformers). The project's own harness (the rank pools,
+the fault-injection matrix, the tiny Hugging Face clients) is not installed: it lives in the
+repository's ``tests/support/``, and the demo's model in :mod:`elastic_batches.demo_model`.
+
 See ``docs/testing.md`` for a walk-through.
 """
 

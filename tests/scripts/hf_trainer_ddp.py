@@ -7,6 +7,7 @@ single-process reference at the same global batch (``--batch`` rows per process,
 ``--accumulate`` batches per optimizer step). The sampler
 is sequential, so that both see the same rows in the same steps. Rank 0 saves the final weights,
 the log history and every rank's controller to ``--out``.
+Imports the harness (``support.hf_models``): ``tests/`` on ``PYTHONPATH``, as the test sets it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 import transformers
 
 from elastic_batches.testing import MemoryBudget
-from elastic_batches.testing.hf_models import client
 from elastic_batches.transformers import Trainer
+
+from support.hf_models import client
 
 STEPS = 4
 

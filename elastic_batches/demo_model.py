@@ -1,4 +1,4 @@
-"""Small models and data shared by the demo, the benchmarks and the tests: a tiny causal LM and its language.
+"""The demo's model and data, which the benchmarks train too: a tiny causal LM and its language.
 
 :class:`TinyLM` is a pre-norm causal transformer; :class:`MarkovLanguage` draws sequences from a
 random Markov chain over a few dozen tokens, a language a small model learns in a few hundred
@@ -27,7 +27,7 @@ class MarkovLanguage(Dataset[dict[str, torch.Tensor]]):
         seed: Seed of the chain and of the sequences.
 
     Example:
-        >>> from elastic_batches.testing.models import MarkovLanguage
+        >>> from elastic_batches.demo_model import MarkovLanguage
         >>> language = MarkovLanguage(samples=4, seq_len=8, vocab_size=16, seed=0)
         >>> len(language), tuple(language[0]["tokens"].shape), 0 < language.entropy() < 3
         (4, (9,), True)
@@ -89,7 +89,7 @@ class TinyLM(nn.Module):
 
     Example:
         >>> import torch
-        >>> from elastic_batches.testing.models import TinyLM
+        >>> from elastic_batches.demo_model import TinyLM
         >>> model = TinyLM(vocab_size=16, dim=8, heads=2, layers=1, seq_len=8)
         >>> tuple(model(torch.zeros(3, 8, dtype=torch.long)).shape)
         (3, 8, 16)
@@ -115,7 +115,7 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
     Example:
         >>> import torch
-        >>> from elastic_batches.testing.models import TinyLM, lm_loss
+        >>> from elastic_batches.demo_model import TinyLM, lm_loss
         >>> model = TinyLM(vocab_size=16, dim=8, heads=2, layers=1, seq_len=8)
         >>> lm_loss(model, {"tokens": torch.randint(16, (2, 9))}).dim()
         0

@@ -10,7 +10,8 @@ from torch import nn
 
 import elastic_batches as eb
 from elastic_batches.testing import inject_oom, inject_oom_in_cut
-from elastic_batches.testing.fault_matrix.cells import (
+
+from support.fault_matrix.cells import (
     GATHER,
     GLOBAL_ROWS,
     LR,
@@ -30,8 +31,8 @@ from elastic_batches.testing.fault_matrix.cells import (
     reference,
     step_ids,
 )
-from elastic_batches.testing.fault_matrix.checks import id_check
-from elastic_batches.testing.fault_matrix.plain import GradNormOOM, error_of, result_of
+from support.fault_matrix.checks import id_check
+from support.fault_matrix.plain import GradNormOOM, error_of, result_of
 
 __all__ = ["lightning_environment", "run_lightning_cell", "run_lightning_validation", "validation_reference"]
 

@@ -18,7 +18,8 @@ from elastic_batches.testing import (
     inject_oom_in_optimizer,
     inject_oom_in_transfer,
 )
-from elastic_batches.testing.fault_matrix.cells import (
+
+from support.fault_matrix.cells import (
     EVALUATED,
     GATHER,
     LR,
@@ -40,7 +41,7 @@ from elastic_batches.testing.fault_matrix.cells import (
     padded_loss,
     reference,
 )
-from elastic_batches.testing.fault_matrix.checks import id_check, weight_errors
+from support.fault_matrix.checks import id_check, weight_errors
 
 __all__ = ["GradNormOOM", "distribute", "error_of", "result_of", "run_plain_cell"]
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_batches.testing.fault_matrix.cells import (
+from support.fault_matrix.cells import (
     GLOBAL_ROWS,
     ID_TOLERANCE,
     LIGHTNING_WHERE,

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 import elastic_batches as eb
-from elastic_batches.testing.fault_matrix.cells import LR, RTOL, SPLIT, STEPS, flat, relative_error
 from elastic_batches.testing.injection import inject_oom
+
+from support.fault_matrix.cells import LR, RTOL, SPLIT, STEPS, flat, relative_error
 
 __all__ = ["ExpertCell", "Experts", "expert_cells", "expert_outcome", "expert_problems", "run_expert_cells"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from elastic_batches.testing.fault_matrix.cells import cells, reference
-from elastic_batches.testing.fault_matrix.lightning import lightning_environment, run_lightning_cell
-from elastic_batches.testing.fault_matrix.plain import run_plain_cell
+from support.fault_matrix.cells import cells, reference
+from support.fault_matrix.lightning import lightning_environment, run_lightning_cell
+from support.fault_matrix.plain import run_plain_cell
 
 __all__ = ["run_cells"]
 

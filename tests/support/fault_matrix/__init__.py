@@ -40,7 +40,7 @@ after every backward. The outcome must be
   in the step itself, the ranks whose step went through hold its update (documented, checked on
   each rank's own shards);
 
-and never a hang (the distributed cells run in :class:`elastic_batches.testing.ranks.RankPool` under a
+and never a hang (the distributed cells run in :class:`support.ranks.RankPool` under a
 deadline).
 
 ``tests/test_fault_matrix.py`` asserts all of this; ``benchmarks/fault_matrix.py`` runs the same
@@ -51,7 +51,7 @@ loop), ``checks`` (judging its results), ``jobs`` (a setting's cells on one rank
 (OOM-and-retry cycles and memory that changes, measured).
 """
 
-from elastic_batches.testing.fault_matrix.cells import (
+from support.fault_matrix.cells import (
     EVALUATED,
     FEATURES,
     GATHER,
@@ -96,22 +96,22 @@ from elastic_batches.testing.fault_matrix.cells import (
     relative_error,
     step_ids,
 )
-from elastic_batches.testing.fault_matrix.checks import id_check, outcome, problems, weight_errors
-from elastic_batches.testing.fault_matrix.experts import (
+from support.fault_matrix.checks import id_check, outcome, problems, weight_errors
+from support.fault_matrix.experts import (
     ExpertCell,
     expert_cells,
     expert_outcome,
     expert_problems,
     run_expert_cells,
 )
-from elastic_batches.testing.fault_matrix.jobs import run_cells
-from elastic_batches.testing.fault_matrix.lightning import (
+from support.fault_matrix.jobs import run_cells
+from support.fault_matrix.lightning import (
     lightning_environment,
     run_lightning_cell,
     run_lightning_validation,
     validation_reference,
 )
-from elastic_batches.testing.fault_matrix.plain import GradNormOOM, distribute, error_of, result_of, run_plain_cell
+from support.fault_matrix.plain import GradNormOOM, distribute, error_of, result_of, run_plain_cell
 
 __all__ = [
     "Cell",

@@ -45,7 +45,7 @@ def peak_at(model: nn.Module, batch: Batch, split_count: int) -> int:
 
     Example:
         >>> import torch
-        >>> from elastic_batches.testing.fault_matrix.churn import mlp, peak_at
+        >>> from support.fault_matrix.churn import mlp, peak_at
         >>> model, batch = mlp(), (torch.randn(64, 16), torch.randn(64, 1))
         >>> peak_at(model, batch, 1) > peak_at(model, batch, 4)
         True

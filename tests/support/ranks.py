@@ -74,7 +74,7 @@ class RankPool:
 
     Example:
         >>> import operator, tempfile
-        >>> from elastic_batches.testing.ranks import RankPool
+        >>> from support.ranks import RankPool
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     pool = RankPool(folder, world_size=2)
         ...     try:
