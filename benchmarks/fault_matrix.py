@@ -9,6 +9,9 @@ one JSON line per cell. Exits 1 if any cell fails.
     python benchmarks/fault_matrix.py            # the matrix (about 30 s on 2 CPU cores)
     python benchmarks/fault_matrix.py --leaks    # also the leak and changing-memory figures
 
+With ``ELASTIC_BATCHES_BENCH_QUICK=1`` (``bench --quick``) only the one-process, DDP and FSDP2 per
+module columns run; the others read "not run (quick)".
+
 ``--leaks`` runs the procedures ``tests/test_reliability.py`` asserts bounds on
 (``support.fault_matrix.churn``) and prints what they measure: 200 OOM-and-retry
 cycles, memory that shrinks and grows back.
@@ -29,6 +32,15 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the spawned ranks inherit i
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support: the harness; ranks inherit it
 
 DEADLINE_S = 180
+QUICK = os.environ.get("ELASTIC_BATCHES_BENCH_QUICK", "") not in ("", "0")
+# ELASTIC_BATCHES_BENCH_QUICK=1: one column per scheme (the suite's tests/test_fault_matrix.py runs every cell)
+QUICK_SETTINGS = ("single", "ddp", "fsdp2-module")
+
+
+def run_settings(fm: Any, loop: str) -> tuple[str, ...]:
+    """The settings of ``loop`` this run covers: all, or under QUICK one per scheme."""
+    return tuple(s for s in fm.LOOP_SETTINGS[loop] if not QUICK or s in QUICK_SETTINGS)
+
 
 COLUMNS = [("single", "0", "one process")] + [
     (setting, ranks, f"{name} {label}")
@@ -76,7 +88,7 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
         pool = RankPool(Path(workdir), world_size=2)
         try:
             for loop in fm.LOOPS:
-                for setting in fm.LOOP_SETTINGS[loop]:
+                for setting in run_settings(fm, loop):
                     start = time.perf_counter()
                     cells = fm.cells(loop, setting)
                     if setting == "single":
@@ -122,6 +134,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
         by_key = {
             (c.setting, c.ranks, c.phase, c.position): c for s in fm.LOOP_SETTINGS[loop] for c in fm.cells(loop, s)
         }
+        covered = run_settings(fm, loop)
         rows = []
         widest = fm.OVERLAPPED if fm.OVERLAPPED in fm.LOOP_SETTINGS[loop] else "single"  # it adds the bucket rows
         for c in fm.cells(loop, widest):
@@ -133,10 +146,13 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
             texts = []
             for setting, ranks, _ in COLUMNS:
                 cell = by_key.get((setting, ranks, phase, position))
-                texts.append("n/a" if cell is None else entry(cell, results[cell.id]))
+                if cell is None:
+                    texts.append("n/a")
+                else:
+                    texts.append(entry(cell, results[cell.id]) if setting in covered else "not run (quick)")
             print(f"| {PHASE_NAMES[phase]} | {position or '—'} | " + " | ".join(texts) + " |")
         print()
-        for setting in fm.LOOP_SETTINGS[loop]:
+        for setting in covered:
             cells = fm.cells(loop, setting)
             runs = [r for c in cells for r in results[c.id]]
             if not runs:
@@ -166,7 +182,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
         step = "scripted" if expert.scripted else "guarded" if expert.gather == "module" else "gathered once"
         print(f"| {expert.routing} | {expert.sizes} sizes | {expert.gather} | {step} | {oom} | {text} |")
     for loop in fm.LOOPS:
-        for setting in fm.LOOP_SETTINGS[loop]:
+        for setting in run_settings(fm, loop):
             for cell in fm.cells(loop, setting):
                 runs = results[cell.id]
                 found = fm.problems(cell, runs) if runs else ["hang or crash"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -299,7 +300,11 @@ def validation_reference() -> float:
 
 
 def lightning_environment(rank: int, world: int) -> None:
-    """Tell Lightning the processes exist already (as torchrun does), so that it joins the process group."""
+    """Tell Lightning the processes exist already (as torchrun does), so that it joins the process group.
+
+    Its INFO lines are quieted: every cell builds a Trainer, which would print the accelerator banner again.
+    """
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     os.environ.update(
         {
             "LOCAL_RANK": str(rank),
