@@ -21,7 +21,7 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget, inject_oom
 
-from support.hf_models import SPECIAL, WORDS, make_tokenizer
+from support.hf_models import SPECIAL, WORDS, make_tokenizer, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -50,24 +50,6 @@ def encoded_texts(tokenizer: Any, rows: int = 16, seed: int = 0) -> list[dict[st
 
 def without_labels(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in s.items() if k != "label"} for s in samples]
-
-
-def gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=len(SPECIAL) + len(WORDS),
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=2,
-        eos_token_id=3,
-        pad_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
 
 
 def bert(kind: str) -> nn.Module:
@@ -113,7 +95,7 @@ def client(name: str, tokenizer: Any) -> tuple[nn.Module, Any, list[dict[str, An
     samples = encoded_texts(tokenizer)
     if name == "gpt2":
         collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
-        return gpt2(), collator, without_labels(samples), eb.label_count(causal=True)
+        return tiny_gpt2(), collator, without_labels(samples), eb.label_count(causal=True)
     if name == "bert-classify":
         return bert("classify"), transformers.DataCollatorWithPadding(tokenizer), samples, None
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3)
@@ -202,7 +184,7 @@ def test_the_naive_token_count_of_a_causal_lm_is_off_by_percents(tokenizer: Any)
 def test_training_under_a_simulated_device_matches_full_batch_training(tokenizer: Any) -> None:
     samples = without_labels(encoded_texts(tokenizer, rows=32, seed=3))
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    elastic, plain = gpt2(), gpt2()
+    elastic, plain = tiny_gpt2(), tiny_gpt2()
     loader = eb.MicrobatchingDataLoader(samples, batch_size=16, collate_fn=eb.TrimPadding(collator))
     step = eb.ElasticStep(elastic, controller=loader.controller, memory=None)  # the OOM-driven search
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (elastic, plain)]

@@ -169,7 +169,9 @@ def test_example_lightning_ddp_rank_one_short_of_memory_both_ranks_agree() -> No
     assert results[0]["own_ooms"] == 0 and results[1]["own_ooms"] >= 1  # only rank 1 ran out of memory
     assert results[0]["split_count"] == results[1]["split_count"] > 1  # and both ranks split alike
     assert results[0]["oom_retries"] == results[1]["oom_retries"] == results[1]["own_ooms"]
-    assert all(r["max_relative_difference"] < 1e-5 for r in results)
+    # fp32 after AdamW steps: the first attempt measures (memory="auto" finds the budgets), cutting the batch into
+    # other pieces than a balanced split, whose sums round otherwise; the same run in float64 agrees to 2e-15
+    assert all(r["max_relative_difference"] < 1e-4 for r in results)
 
 
 # -- the scenarios, run as a script ----------------------------------------------------------------

@@ -172,12 +172,7 @@ class AcceleratorProbe(MemoryProbe):
     def memory_reading(self) -> MemoryReading:
         module, device = self._module, self.device
         free, total = module.mem_get_info(device)
-        fraction = (
-            module.get_per_process_memory_fraction(device)
-            if hasattr(module, "get_per_process_memory_fraction")
-            else 1.0
-        )
-        capacity = min(int(total * fraction), int(module.memory_reserved(device)) + int(free))
+        capacity = min(int(total * self._fraction()), int(module.memory_reserved(device)) + int(free))
         return MemoryReading(int(module.memory_allocated(device)), capacity)
 
     def start_window(self) -> int:
@@ -225,12 +220,12 @@ class AcceleratorProbe(MemoryProbe):
         """The bytes the allocator may still reserve: the device's free memory, within the per-process fraction."""
         module, device = self._module, self.device
         free, total = module.mem_get_info(device)
-        fraction = (
-            module.get_per_process_memory_fraction(device)
-            if hasattr(module, "get_per_process_memory_fraction")
-            else 1.0
-        )
-        return max(0, min(int(free), int(total * fraction) - int(module.memory_reserved(device))))
+        return max(0, min(int(free), int(total * self._fraction()) - int(module.memory_reserved(device))))
+
+    def _fraction(self) -> float:
+        """The per-process memory fraction set on the device (1.0 where the module has none)."""
+        get = getattr(self._module, "get_per_process_memory_fraction", None)
+        return 1.0 if get is None else float(get(self.device))
 
     def window_peak(self) -> int:
         return int(self._module.max_memory_allocated(self.device))
