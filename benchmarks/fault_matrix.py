@@ -81,6 +81,8 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
     from support.ranks import RankFailure, RankPool
 
     warnings.filterwarnings("ignore")
+    import lightning.pytorch  # noqa: F401 - its import sets its logger's level: quiet it after, not before
+
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     results: dict[str, list[dict[str, Any]]] = {}
     snapshots = fm.reference()

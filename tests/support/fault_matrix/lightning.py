@@ -302,8 +302,11 @@ def validation_reference() -> float:
 def lightning_environment(rank: int, world: int) -> None:
     """Tell Lightning the processes exist already (as torchrun does), so that it joins the process group.
 
-    Its INFO lines are quieted: every cell builds a Trainer, which would print the accelerator banner again.
+    Its INFO lines are quieted: every cell builds a Trainer, which would print the accelerator banner again
+    (after Lightning's import, which sets its logger's level).
     """
+    import lightning.pytorch  # noqa: F401
+
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     os.environ.update(
         {
