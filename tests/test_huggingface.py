@@ -21,7 +21,7 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget, inject_oom
 
-from support.hf_models import SPECIAL, WORDS, make_tokenizer, tiny_gpt2
+from support.hf_models import SPECIAL, WORDS, make_tokenizer, tiny_bert, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -52,24 +52,6 @@ def without_labels(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in s.items() if k != "label"} for s in samples]
 
 
-def bert(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=len(SPECIAL) + len(WORDS),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-        pad_token_id=0,
-    )
-    cls = transformers.BertForSequenceClassification if kind == "classify" else transformers.BertForMaskedLM
-    return cls(config)
-
-
 def hf_loss(model: nn.Module) -> Any:
     def loss_fn(mb: Any) -> torch.Tensor:
         return model(**mb).loss
@@ -97,9 +79,9 @@ def client(name: str, tokenizer: Any) -> tuple[nn.Module, Any, list[dict[str, An
         collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
         return tiny_gpt2(), collator, without_labels(samples), eb.label_count(causal=True)
     if name == "bert-classify":
-        return bert("classify"), transformers.DataCollatorWithPadding(tokenizer), samples, None
+        return tiny_bert("classify"), transformers.DataCollatorWithPadding(tokenizer), samples, None
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3)
-    return bert("mlm"), collator, without_labels(samples), eb.label_count(causal=False)
+    return tiny_bert("mlm"), collator, without_labels(samples), eb.label_count(causal=False)
 
 
 CLIENTS = ["gpt2", "bert-classify", "bert-mlm"]

@@ -25,8 +25,8 @@ the origin until a later microbatch is measured: ``per_unit = increment / size``
 over-estimates any larger microbatch.
 
 Increments are kept per size (the latest measurement of each of the last sixteen sizes). The line
-is a least-squares fit when the sizes spread by 1.5x or more (flat if it falls), else through the
-origin. A measurement more than 5% below what the sizes measured around it say (at its own size,
+is a least-squares fit when the sizes spread by ``SPREAD`` or more (flat if it falls), else through the
+origin. A measurement more than ``_FELL`` below what the sizes measured around it say (at its own size,
 or between two) means memory per microbatch fell (a layer frozen, shorter shapes), one more than
 twice it that memory per microbatch grew (a layer unfrozen: its gradients are accumulated too):
 either way the older points are dropped, and the model measures again before it plans. Between two sizes measured,
@@ -34,7 +34,7 @@ the chord between their increments where it lies below the line: a peak is often
 two lines (the gradient being accumulated at small sizes, the activations at large ones), a
 shape that lies under its chords, and a line raised over both over-estimates the sizes between.
 Beyond the largest size measured, that measurement continued at the slope of the measurements
-just below it, and at no less than 1.25 times the bytes per unit the forwards held (the saved
+just below it, and at no less than ``_BACKWARD`` times the bytes per unit the forwards held (the saved
 activations, which backward needs, and a quarter more for their gradients).
 
 A plan keeps the predicted peak under the capacity minus ``margin`` of it. An OOM that the model
@@ -203,7 +203,7 @@ class MemoryModel:
         Up to the largest size measured, the line, or the chord between the two sizes measured
         around ``size`` where it is lower. Beyond it, the largest measurement continued at the
         slope of the measurements nearest below it (the secant from the largest size a third or
-        more below), and at no less than 1.25 times the bytes the forwards held per unit (what
+        more below), and at no less than ``_BACKWARD`` times the bytes the forwards held per unit (what
         backward frees: the saved activations, and a quarter more for their gradients). A
         failure raises it from its size on (see :meth:`observe_failure`).
         """
@@ -267,7 +267,7 @@ class MemoryModel:
         return max(0.0, (top[1] - self._later[low]) / (top[0] - low))
 
     def _beyond_slope(self) -> float:
-        """Bytes per unit beyond the largest size measured: the secant there, at least 1.25x what forwards held."""
+        """Bytes per unit beyond the largest size measured: the secant there, >= ``_BACKWARD`` times the forwards'."""
         forward = max((held / size for size, held in self._forward.items()), default=0.0)
         return max(self._top_slope(), _BACKWARD * forward)
 
