@@ -26,8 +26,11 @@ The checks, per allocator:
    stand-in's ``take_by_another_process``) takes part of the cap after the count settled; the
    next steps adapt without ``ElasticOOMError`` and end with no OOM.
 6. **Disguised OOMs.** With the device filled to within a few MiB, a first matmul (cuBLAS
-   creates its handle and workspace) and a first convolution (cuDNN): the error's type, message
-   and whether ``is_oom_error`` takes it for an OOM (it must, for any allocation failure).
+   creates its handle and workspace), a first convolution (cuDNN) and a one-rank group's first
+   all-reduce (NCCL makes its communicator and buffers; gloo on the stand-in): the error's type,
+   message and how the step takes it: ``is_oom_error`` must take any allocation failure for an
+   OOM, except NCCL's own, which ``is_nccl_oom`` must recognise (raised with its cause, not
+   retried: a failed communicator is not safe to reuse).
 
 7. **One-rank DDP with the vote.** A one-rank process group (NCCL on a GPU, gloo on the stand-in)
    and a DDP model under a cap the full batch does not fit: the OOM is voted on, the batch
@@ -61,7 +64,7 @@ from _harness import emit, table
 
 from elastic_batches import ElasticStep, SplitController, is_oom_error
 from elastic_batches.memory import AcceleratorProbe
-from elastic_batches.oom import release_memory
+from elastic_batches.oom import is_nccl_oom, release_memory
 
 RTOL = 1e-5
 PREDICTED_STEPS = 6
@@ -304,13 +307,16 @@ def _predicted(dev: Device, sizes: Sizes) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _one_rank(dev: Device) -> Iterator[None]:
-    """A process group of one rank: NCCL on a GPU, gloo on the stand-in (a file rendezvous, no port)."""
+def _one_rank(dev: Device, bound: bool = True) -> Iterator[None]:
+    """A process group of one rank: NCCL on a GPU, gloo on the stand-in (a file rendezvous, no port).
+
+    ``bound``: NCCL's communicator is made at once on ``dev``; else by the first collective.
+    """
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as folder:
         backend = "nccl" if dev.module is torch.cuda else "gloo"
-        options: dict[str, Any] = {"device_id": dev.index} if backend == "nccl" else {}
+        options: dict[str, Any] = {"device_id": dev.index} if backend == "nccl" and bound else {}
         dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=0, world_size=1, **options)
         try:
             yield
@@ -436,10 +442,26 @@ def _another_process(dev: Device, nbytes: int) -> Iterator[None]:
         child.join(60)
 
 
+def _first_all_reduce(dev: Device, tensor: torch.Tensor) -> None:
+    """A one-rank group's first all-reduce: NCCL makes its communicator and buffers in it (on a GPU)."""
+    import torch.distributed as dist
+
+    with _one_rank(dev, bound=False):
+        dist.all_reduce(tensor)
+        if dev.module is torch.cuda:
+            torch.cuda.synchronize(dev.index)
+
+
+def _verdict(err: BaseException) -> str:
+    """How the step takes ``err``: retried (``True``), NCCL's own OOM (raised with its cause), or not an OOM."""
+    return "NCCL's own: raised, named" if is_nccl_oom(err) else str(is_oom_error(err))
+
+
 def _disguised(dev: Device) -> list[list[str]]:
-    """Check 6: a first matmul and a first convolution on a device filled to within a few MiB."""
+    """Check 6: a first matmul, a first convolution and a first NCCL all-reduce on a device filled to a few MiB."""
     module, index = dev.module, dev.index
     module.empty_cache()
+    reduced = torch.ones(1 << 20, device=dev.tensors)  # made before the device is full
     free, _ = module.mem_get_info(index)
     filler: list[torch.Tensor] = []
     chunk = 64 << 20
@@ -458,13 +480,14 @@ def _disguised(dev: Device) -> list[list[str]]:
         "first convolution (cuDNN)": lambda: torch.nn.functional.conv2d(
             torch.randn(8, 16, 64, 64, device=dev.tensors), torch.randn(32, 16, 3, 3, device=dev.tensors)
         ),
+        "first all-reduce (NCCL, one rank)": lambda: _first_all_reduce(dev, reduced),
     }  # fmt: skip
     for name, case in cases.items():
         try:
             case()
             rows.append([name, "no error", "", "-"])
         except Exception as err:
-            rows.append([name, type(err).__name__, str(err).splitlines()[0][:90], str(is_oom_error(err))])
+            rows.append([name, type(err).__name__, str(err).splitlines()[0][:90], _verdict(err)])
     filler.clear()
     release_memory()
     return rows
@@ -524,7 +547,7 @@ def run_checks(dev: Device, sizes: Sizes, allocator: str) -> tuple[dict[str, boo
         f"predicted: gradient within {RTOL:g}": predicted["gradient_relative_error"] <= RTOL,
         "user's peak kept after a probed step": predicted["user_peak_after_step"] >= predicted["user_peak"],
         "memory taken by another process: adapted, last step without OOM": predicted["ooms_in_the_last_step_then"] == 0,
-        "disguised OOMs taken for OOMs": all(row[3] != "False" for row in disguised),
+        "disguised OOMs taken for OOMs, NCCL's own named": all(row[3] != "False" for row in disguised),
         f"one-rank DDP: OOM voted, retried, gradient within {RTOL:g}": ddp["ooms"] >= 1
         and ddp["gradient_relative_error"] <= RTOL,
         f"FSDP2 per module, one rank: retried, gradient within {RTOL:g}": fsdp["ooms"] >= 1

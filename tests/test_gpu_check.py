@@ -26,7 +26,7 @@ GUARANTEES = [
     "gradients within 1e-05 of the full batch's",
     "failed attempt freed before the retry (30k containers)",
     "user's peak kept after a probed step",
-    "disguised OOMs taken for OOMs",
+    "disguised OOMs taken for OOMs, NCCL's own named",
     "one-rank DDP: OOM voted, retried, gradient within 1e-05",
     "FSDP2 per module, one rank: retried, gradient within 1e-05",
 ]
@@ -46,12 +46,37 @@ def test_the_gpu_check_passes_on_the_stand_in(default_run: Any, check: str) -> N
 
 def test_the_gpu_check_reports_every_measure(default_run: Any) -> None:
     checks, rows, record = default_run
-    assert len(checks) == 13 and len(rows) == 14
+    assert len(checks) == 13 and len(rows) == 15
     assert record["ddp"]["split_count"] > 1 and record["fsdp2"]["split_count"] > 1
     speed = record["throughput"]  # timed on the CPU here: reported, not asserted
     assert speed["settled_split"] >= 1 and speed["sweep_samples_per_s"] and speed["ratio"] > 0
     assert record["forward"]["ooms"] >= 1 and record["forward"]["slack_at_ooms"]  # reserved - allocated at OOMs
     assert len(record["predicted"]["counts"]) == gpu_check.PREDICTED_STEPS
+
+
+def test_the_disguised_rows_include_a_first_all_reduce_of_one_rank(default_run: Any) -> None:
+    _, rows, _ = default_run
+    (row,) = [r for r in rows if r[1].startswith("first all-reduce")]
+    assert row[2].startswith("no error")  # gloo on the CPU allocates nothing on the device
+
+
+@pytest.mark.parametrize(
+    ("error", "verdict"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), "True"),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "True"),
+        (
+            RuntimeError(
+                "NCCL error in: ProcessGroupNCCL.cpp:3375, unhandled cuda error, NCCL version 2.21.5\n"
+                "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 'out of memory'"
+            ),
+            "NCCL's own: raised, named",
+        ),
+        (RuntimeError("CUDA error: unspecified launch failure"), "False"),
+    ],
+)
+def test_a_disguised_error_is_judged_as_the_step_takes_it(error: BaseException, verdict: str) -> None:
+    assert gpu_check._verdict(error) == verdict
 
 
 def test_a_cap_without_a_device_index_fails_on_the_stand_in_as_on_cuda() -> None:
