@@ -150,21 +150,32 @@ class _ShardedGrad:
     row_numel: int = 1  # elements per row
 
 
-def _fill(send: torch.Tensor, e: _ShardedGrad) -> None:
-    """Copy ``e``'s unsharded gradient into its columns of ``send`` (a row per rank), each rank's rows in its row."""
+def _copy(target: torch.Tensor, source: torch.Tensor, scale: float) -> None:
+    """``target = source * scale``, computed in ``target``'s dtype; in one pass where the two dtypes are the same."""
+    if scale != 1.0 and source.dtype == target.dtype:
+        torch.mul(source, scale, out=target)
+        return
+    target.copy_(source)
+    if scale != 1.0:
+        target.mul_(scale)
+
+
+def _fill(send: torch.Tensor, e: _ShardedGrad, scale: float = 1.0) -> None:
+    """Copy ``e``'s unsharded gradient, times ``scale``, into its columns of ``send`` (a row per rank), each rank's
+    rows in its row."""
     assert e.full is not None
     world = send.shape[0]
     rows, width = e.sharded.shape[0], e.chunk_rows * e.row_numel
     full = e.full.reshape(rows, e.row_numel)
     if rows == world * e.chunk_rows:
-        send[:, e.offset : e.offset + width].copy_(full.view(world, width))
+        _copy(send[:, e.offset : e.offset + width], full.view(world, width), scale)
         return
     for r in range(world):
         lo, hi = r * e.chunk_rows, min((r + 1) * e.chunk_rows, rows)
         part = send[r, e.offset : e.offset + width]
         filled = max(0, hi - lo) * e.row_numel
         if filled:
-            part[:filled].view(hi - lo, e.row_numel).copy_(full[lo:hi])
+            _copy(part[:filled].view(hi - lo, e.row_numel), full[lo:hi], scale)
         part[filled:].zero_()
 
 
@@ -527,9 +538,7 @@ class FullyShard(Agreeing):
             send_buffer, receive_buffer = self._buffers[dtype]
             send = send_buffer[: world * segment].view(world, segment)
             for e in entries:
-                _fill(send, e)
-            if scale != 1.0:
-                send.mul_(scale)
+                _fill(send, e, scale)  # scaled as copied: one pass over the gradients
             receive = receive_buffer[:segment]
             getattr(dist, REDUCE_SCATTER)(receive, send.view(-1), group=self.layout.shard_group)
             if self.layout.replicate_group is not None:
