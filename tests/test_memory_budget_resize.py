@@ -9,6 +9,7 @@ of the storages FSDP2 holds.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +119,16 @@ def _unsharded_bytes(module: Any) -> int:
     return sum(storages.values())
 
 
+def _live_once_released(budget: MemoryBudget, expected: int) -> int:
+    """``budget.live_bytes`` once it reads ``expected``, or after a second: gloo's worker thread drops its
+    reference to the all-gather's flat buffer a moment after the collective's wait returns."""
+    deadline = time.monotonic() + 1.0
+    while budget.live_bytes != expected and time.monotonic() < deadline:
+        time.sleep(0.001)
+        gc.collect()
+    return budget.live_bytes
+
+
 def _direct_count(rank: int, world: int) -> dict[str, Any]:
     model = _sharded()
     units = list(model)
@@ -131,7 +142,8 @@ def _direct_count(rank: int, world: int) -> dict[str, Any]:
         for unit in units:
             unit.unshard()
             gc.collect()  # the all-gather's buffer, freed by FSDP2, can wait in a reference cycle
-            unsharded.append((budget.live_bytes, sum(_unsharded_bytes(u) for u in units)))
+            direct = sum(_unsharded_bytes(u) for u in units)
+            unsharded.append((_live_once_released(budget, direct), direct))
         for unit in units:
             unit.reshard()
         gc.collect()
