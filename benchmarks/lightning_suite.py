@@ -94,14 +94,16 @@ _STARTS_PROCESSES = re.compile(r"ddp|spawn|devices=2|num_devices|num_processes|w
 class SuitePlugin:
     """A pytest plugin: one JSON line per test, with the split batches of each stage counted.
 
-    With ``no_spawn``, the tests whose source names a multi-process run (``ddp``, ``spawn``,
-    ``devices=2``...) are deselected: each starts processes, which on a small shared machine
-    takes a minute or more per test.
+    ``processes="skip"`` deselects the tests whose source names a multi-process run (``ddp``,
+    ``spawn``, ``devices=2``...): each starts processes, which on a small shared machine takes a
+    minute or more per test; ``processes="only"`` keeps those alone (the rest of a run in parts).
     """
 
-    def __init__(self, variant: str, out: Path, *, no_spawn: bool = False) -> None:
+    def __init__(self, variant: str, out: Path, *, processes: str = "all") -> None:
+        if processes not in ("all", "skip", "only"):
+            raise ValueError(f"SuitePlugin: processes must be 'all', 'skip' or 'only', got {processes!r}")
         self.variant = variant
-        self.no_spawn = no_spawn
+        self.processes = processes
         self.file = out.open("w")
         self.splits: Counter[str] = Counter()
         self.results: dict[str, dict[str, Any]] = {}
@@ -127,7 +129,7 @@ class SuitePlugin:
         Stages.report = counting_report  # type: ignore[method-assign]
 
     def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
-        if not self.no_spawn:
+        if self.processes == "all":
             return
         kept, dropped = [], []
         for item in items:
@@ -135,7 +137,8 @@ class SuitePlugin:
                 source = inspect.getsource(item.function)
             except (OSError, TypeError, AttributeError):
                 source = ""
-            (dropped if _STARTS_PROCESSES.search(source + item.nodeid) else kept).append(item)
+            starts = bool(_STARTS_PROCESSES.search(source + item.nodeid))
+            (dropped if starts == (self.processes == "skip") else kept).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept
@@ -169,7 +172,8 @@ def _run(args: argparse.Namespace) -> int:
     tests = Path(args.tests).resolve()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plugin = SuitePlugin(args.variant, out / f"{args.variant}{args.tag}.jsonl", no_spawn=args.no_spawn)
+    processes = "skip" if args.no_spawn else "only" if args.only_spawn else "all"
+    plugin = SuitePlugin(args.variant, out / f"{args.variant}{args.tag}.jsonl", processes=processes)
     os.chdir(tests)
     pytest_args = ["-q", "-p", "no:cacheprovider", f"--timeout={args.timeout}", "-o", "addopts="]
     pytest_args += [f"--ignore={path}" for path in IGNORED]
@@ -255,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", required=True, help="folder of the JSON lines, one file per variant")
     run.add_argument("--timeout", type=int, default=180, help="seconds per test (pytest-timeout)")
     run.add_argument("--tag", default="", help="a part of a run: writes VARIANT.TAG.jsonl (e.g. --tag .rest)")
-    run.add_argument("--no-spawn", action="store_true", help="deselect the tests that start processes (ddp, spawn)")
+    spawn = run.add_mutually_exclusive_group()
+    spawn.add_argument("--no-spawn", action="store_true", help="deselect the tests that start processes (ddp, spawn)")
+    spawn.add_argument("--only-spawn", action="store_true", help="run only the tests that start processes")
     run.add_argument("paths", nargs="*", help=f"test paths under --tests (default: {' '.join(SUITE)})")
     run.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[], help="passed on to pytest")
     compare = commands.add_parser("compare", help="counts and the failures of each variant by reason")
