@@ -152,3 +152,30 @@ def test_a_step_under_the_caching_allocator_retries_and_leaves_the_full_batch_gr
     assert budget.peak_reserved_bytes <= 24 * MiB
     for got, expected in zip((p.grad for p in model.parameters()), want, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("allocator", ["caching", "expandable"])
+def test_the_capacity_the_budget_reports_is_its_limit_in_whole_2_mib_segments(allocator: str) -> None:
+    assert MemoryBudget(5 * MiB + 1, allocator=allocator).memory_reading().capacity == 4 * MiB
+    assert MemoryBudget(6 * MiB, allocator=allocator).memory_reading().capacity == 6 * MiB
+    assert MemoryBudget(5 * MiB + 1).memory_reading().capacity == 5 * MiB + 1  # exact: every byte can be live
+
+
+def test_prediction_under_a_limit_between_two_segments_settles_without_an_oom() -> None:
+    """An activation-heavy MLP whose microbatches' tensors fit the small pool's 2 MiB segments, under a limit of
+    3 MiB: only one segment can ever be reserved, and a plan for 3 MiB of live bytes runs out of memory."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 1024), nn.Tanh(), nn.Linear(1024, 1))
+    generator = torch.Generator().manual_seed(512)
+    batch = {"x": torch.randn(512, 8, generator=generator), "y": torch.randn(512, 1, generator=generator)}
+    budget = MemoryBudget(limit_bytes=3 * MiB, allocator="caching")
+    step = eb.ElasticStep(model, memory=budget)
+    counts = []
+    for _ in range(4):
+        with budget:
+            step.backward(batch, lambda mb: (model(mb["x"]) - mb["y"]).pow(2).mean())
+        model.zero_grad(set_to_none=True)
+        counts.append(step.controller.split_count)
+    assert budget.oom_count == 0
+    assert counts[1:] == [4, 4, 4]  # the fewest that fit: 4 microbatches of 128 rows (512 KiB per activation)
+    assert budget.peak_reserved_bytes <= 2 * MiB

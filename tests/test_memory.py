@@ -232,15 +232,20 @@ class _FakeCuda:
         self.resets += 1
 
 
-@pytest.mark.parametrize(("fraction", "capacity"), [(1.0, 13), (0.5, 8)], ids=["whole-device", "fraction-0.5"])
+@pytest.mark.parametrize(
+    ("fraction", "capacity"),
+    [(1.0, 13 << 30), (0.5, 8 << 30), (0.3, (4915 << 20) - (1 << 20))],
+    ids=["whole-device", "fraction-0.5", "fraction-0.3"],
+)
 def test_the_cuda_probe_counts_the_allocator_cache_as_free_and_keeps_to_the_fraction(
     monkeypatch: pytest.MonkeyPatch, fraction: float, capacity: int
 ) -> None:
     fake = _FakeCuda(fraction)
     monkeypatch.setattr(torch, "cuda", fake)
     probe = AcceleratorProbe("cuda")
-    # capacity: reserved (8, of which 2 cached and free for this process's tensors) + 5 free, at most fraction x 16
-    assert probe.memory_reading() == MemoryReading(6 * fake.GiB, capacity * fake.GiB)
+    # capacity: reserved (8, of which 2 cached and free for this process's tensors) + 5 free, at most fraction x 16,
+    # in whole 2 MiB segments (0.3 x 16 GiB is 4915.2 MiB: the allocator can reserve 4914 of them)
+    assert probe.memory_reading() == MemoryReading(6 * fake.GiB, capacity)
     assert (probe.start_window(), probe.window_peak(), fake.resets) == (6 * fake.GiB, 7 * fake.GiB, 1)
     assert repr(probe) == "AcceleratorProbe('cuda:0')"
 

@@ -7,10 +7,11 @@ the capacity. Probes exist for
 
 - CUDA and XPU (:class:`AcceleratorProbe`, from ``torch.cuda`` / ``torch.xpu``): in use is
   ``memory_allocated``, the peak ``max_memory_allocated`` after ``reset_peak_memory_stats``, and
-  the capacity what the caching allocator may still reach: the bytes it reserved plus the device's
-  free bytes (``mem_get_info``), at most the limit set by ``set_per_process_memory_fraction``;
+  the capacity what the caching allocator may
+  still reach: the bytes it reserved plus the device's free bytes (``mem_get_info``), at most the
+  limit set by ``set_per_process_memory_fraction``, in whole 2 MiB (its segments' grain);
 - ``elastic_batches.testing.MemoryBudget`` (simulated device memory on a CPU): its live bytes, a
-  peak window, and ``limit_bytes``.
+  peak window, and ``limit_bytes`` (with a caching allocator in whole 2 MiB, as on CUDA).
 
 MPS has no peak statistic in torch (``torch.mps`` reports the current allocation only), so it
 gets no probe, like the CPU. Where the device has no probe, ``memory="auto"`` measures with the
@@ -27,7 +28,17 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["AcceleratorProbe", "MemoryProbe", "MemoryReading", "active_probe", "check_memory", "device_probe"]
+__all__ = [
+    "SEGMENT_GRAIN",
+    "AcceleratorProbe",
+    "MemoryProbe",
+    "MemoryReading",
+    "active_probe",
+    "check_memory",
+    "device_probe",
+]
+
+SEGMENT_GRAIN = 2 << 20  # a caching allocator's segments are whole multiples of 2 MiB: it reserves no less
 
 
 class MemoryReading(NamedTuple):
@@ -173,7 +184,7 @@ class AcceleratorProbe(MemoryProbe):
         module, device = self._module, self.device
         free, total = module.mem_get_info(device)
         capacity = min(int(total * self._fraction()), int(module.memory_reserved(device)) + int(free))
-        return MemoryReading(int(module.memory_allocated(device)), capacity)
+        return MemoryReading(int(module.memory_allocated(device)), capacity - capacity % SEGMENT_GRAIN)
 
     def start_window(self) -> int:
         module, device = self._module, self.device

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from elastic_batches._state import is_int
 from elastic_batches.memory import MemoryProbe, MemoryReading
+from elastic_batches.memory.probe import SEGMENT_GRAIN
 from elastic_batches.testing.allocator import ALLOCATORS, Block, CachingAllocator
 
 __all__ = ["MemoryBudget"]
@@ -456,14 +457,22 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
     def memory_reading(self) -> MemoryReading:
         """``live_bytes`` and ``limit_bytes``, as a :class:`~elastic_batches.memory.MemoryProbe` reports them.
 
+        With a caching allocator the capacity is the limit in whole 2 MiB, as ``AcceleratorProbe``
+        reports CUDA's: its segments are multiples of 2 MiB, so it never reserves the rest.
+
         Example:
             >>> budget = MemoryBudget(limit_bytes=4096)
             >>> with budget:
             ...     x = torch.zeros(256)
             >>> budget.memory_reading()
             MemoryReading(in_use=1024, capacity=4096)
+            >>> MemoryBudget(limit_bytes=5 << 20, allocator="caching").memory_reading().capacity >> 20
+            4
         """
-        return MemoryReading(self._drain(), self._limit)
+        limit = self._limit
+        if limit is not None and self._allocator is not None:
+            limit -= limit % SEGMENT_GRAIN
+        return MemoryReading(self._drain(), limit)
 
     def start_window(self) -> int:
         """Start a peak window for :meth:`window_peak`; ``peak_bytes`` keeps the peak of every window.
