@@ -88,6 +88,19 @@ def _suite_trainer(variant: str) -> type:
     return SuiteTrainer
 
 
+def __getattr__(name: str) -> Any:
+    """``SuiteTrainer`` in a process that ``ddp_spawn`` started, where unpickling the trainer looks it up.
+
+    Such a process imports this script anew (as ``__mp_main__``), so the class the parent made
+    for its variant is rebuilt here from the variant the parent left in the environment.
+    """
+    variant = os.environ.get(_VARIANT_VARIABLE)
+    if name == "SuiteTrainer" and variant in ("auto", "split2"):
+        return _suite_trainer(variant)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_VARIANT_VARIABLE = "ELASTIC_BATCHES_LIGHTNING_SUITE_VARIANT"  # for the processes ddp_spawn starts
 _STARTS_PROCESSES = re.compile(r"ddp|spawn|devices=2|num_devices|num_processes|world_size")
 
 
@@ -172,6 +185,7 @@ def _run(args: argparse.Namespace) -> int:
     tests = Path(args.tests).resolve()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    os.environ[_VARIANT_VARIABLE] = args.variant
     processes = "skip" if args.no_spawn else "only" if args.only_spawn else "all"
     plugin = SuitePlugin(args.variant, out / f"{args.variant}{args.tag}.jsonl", processes=processes)
     os.chdir(tests)
