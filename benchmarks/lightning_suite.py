@@ -34,6 +34,7 @@ import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +97,36 @@ def __getattr__(name: str) -> Any:
     """
     variant = os.environ.get(_VARIANT_VARIABLE)
     if name == "SuiteTrainer" and variant in ("auto", "split2"):
+        splits = os.environ.get(_SPLITS_VARIABLE)
+        if splits:  # its split batches reach the parent through a file of its own, a stage per line
+            _count_splits(lambda stage: _append(Path(f"{splits}.{os.getpid()}"), stage))
         return _suite_trainer(variant)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _VARIANT_VARIABLE = "ELASTIC_BATCHES_LIGHTNING_SUITE_VARIANT"  # for the processes ddp_spawn starts
+_SPLITS_VARIABLE = "ELASTIC_BATCHES_LIGHTNING_SUITE_SPLITS"  # where they write the batches they split
+
+
+def _append(path: Path, line: str) -> None:
+    with path.open("a") as file:
+        file.write(line + "\n")
+
+
+def _count_splits(count: Callable[[str], object]) -> None:
+    """Call ``count(stage)`` for every batch a stage runs as more than one microbatch."""
+    from elastic_batches.lightning._stages import Stages
+
+    report = Stages.report
+
+    def counting_report(stages: Stages, stage: str, split_count: int, size: int) -> None:
+        if split_count > 1:
+            count(stage)
+        report(stages, stage, split_count, size)
+
+    Stages.report = counting_report  # type: ignore[method-assign]
+
+
 _STARTS_PROCESSES = re.compile(r"ddp|spawn|devices=2|num_devices|num_processes|world_size")
 
 
@@ -118,6 +144,7 @@ class SuitePlugin:
         self.variant = variant
         self.processes = processes
         self.file = out.open("w")
+        self.children = out.with_suffix(".splits")  # CHILDREN.PID: what the processes ddp_spawn starts split
         self.splits: Counter[str] = Counter()
         self.results: dict[str, dict[str, Any]] = {}
         if variant != "plain":
@@ -127,19 +154,16 @@ class SuitePlugin:
         import lightning.pytorch as pl
         import lightning.pytorch.trainer as pl_trainer
 
-        from elastic_batches.lightning._stages import Stages
-
         trainer = _suite_trainer(self.variant)
         pl.Trainer = pl_trainer.Trainer = trainer  # what ``from lightning.pytorch import Trainer`` imports
-        report = Stages.report
-        splits = self.splits
+        _count_splits(lambda stage: self.splits.update([stage]))
+        os.environ[_SPLITS_VARIABLE] = str(self.children)
 
-        def counting_report(stages: Stages, stage: str, count: int, size: int) -> None:
-            if count > 1:
-                splits[stage] += 1
-            report(stages, stage, count, size)
-
-        Stages.report = counting_report  # type: ignore[method-assign]
+    def _children_splits(self) -> None:
+        """Add what the processes a test started split to its count, and remove their files."""
+        for path in self.children.parent.glob(f"{self.children.name}.*"):
+            self.splits.update(path.read_text().split())
+            path.unlink()
 
     def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
         if self.processes == "all":
@@ -157,6 +181,7 @@ class SuitePlugin:
             items[:] = kept
 
     def pytest_runtest_setup(self, item: Any) -> None:
+        self._children_splits()
         self.splits.clear()
 
     def pytest_runtest_logreport(self, report: Any) -> None:
@@ -171,6 +196,7 @@ class SuitePlugin:
             crash = getattr(report.longrepr, "reprcrash", None)
             entry["error"] = (crash.message if crash is not None else str(report.longrepr)).splitlines()[0][:400]
         if report.when == "teardown":
+            self._children_splits()
             entry["splits"] = dict(self.splits)
             self.file.write(json.dumps(entry) + "\n")
             self.file.flush()
