@@ -6,11 +6,11 @@ two gloo ranks under a deadline (``support.ranks.RankPool``). Prints one markdow
 (rows: where the OOM struck; columns: setting and ranks), a summary of the checks per job, and
 one JSON line per cell. Exits 1 if any cell fails.
 
-    python benchmarks/fault_matrix.py            # the matrix (about 30 s on 2 CPU cores)
+    python benchmarks/fault_matrix.py            # the matrix (minutes on 2 CPU cores; --quick: under 2)
     python benchmarks/fault_matrix.py --leaks    # also the leak and changing-memory figures
 
-With ``ELASTIC_BATCHES_BENCH_QUICK=1`` (``bench --quick``) only the one-process, DDP and FSDP2 per
-module columns run; the others read "not run (quick)".
+With ``ELASTIC_BATCHES_BENCH_QUICK=1`` (``bench --quick``) only the one-process, DDP and (in the
+plain loop) FSDP2 per module columns run; the others read "not run (quick)".
 
 ``--leaks`` runs the procedures ``tests/test_reliability.py`` asserts bounds on
 (``support.fault_matrix.churn``) and prints what they measure: 200 OOM-and-retry
@@ -33,13 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # suppor
 
 DEADLINE_S = 180
 QUICK = os.environ.get("ELASTIC_BATCHES_BENCH_QUICK", "") not in ("", "0")
-# ELASTIC_BATCHES_BENCH_QUICK=1: one column per scheme (the suite's tests/test_fault_matrix.py runs every cell)
-QUICK_SETTINGS = ("single", "ddp", "fsdp2-module")
+# ELASTIC_BATCHES_BENCH_QUICK=1: one column per scheme, FSDP2's in the plain loop only (the suite's
+# tests/test_fault_matrix.py runs every cell)
+QUICK_SETTINGS = {"plain": ("single", "ddp", "fsdp2-module"), "lightning": ("single", "ddp")}
 
 
 def run_settings(fm: Any, loop: str) -> tuple[str, ...]:
     """The settings of ``loop`` this run covers: all, or under QUICK one per scheme."""
-    return tuple(s for s in fm.LOOP_SETTINGS[loop] if not QUICK or s in QUICK_SETTINGS)
+    return tuple(s for s in fm.LOOP_SETTINGS[loop] if not QUICK or s in QUICK_SETTINGS[loop])
 
 
 COLUMNS = [("single", "0", "one process")] + [

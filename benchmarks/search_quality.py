@@ -42,7 +42,8 @@ whose activations are MiB-sized (so that segment sizes matter), ``--model gradie
 batches of 128 and 512 rows; ``--lm-only`` skips the first two tables. With a predictor, the
 table also counts the runs whose margin grew (an OOM the memory model did not predict).
 
-Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact).
+Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact;
+``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer steps, counts and, for the tiny LM, batches of 16 and 256 only).
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ def main() -> None:
 
 
 LM = DemoConfig(seq_len=16, vocab_size=48, dim=32, heads=2, layers=1)
-LM_BATCHES = (16, 100, 256, 1000)
+LM_BATCHES = (16, 256) if QUICK else (16, 100, 256, 1000)
 LM_COUNTS = (1, 2, 3, 6, 16, 40) if QUICK else (1, 2, 3, 4, 6, 10, 16, 40, 100)
 LM_STEPS = 5 if QUICK else 6
 ALLOCATOR = "exact"  # --allocator: the MemoryBudget's allocator model
