@@ -9,8 +9,8 @@ one JSON line per cell. Exits 1 if any cell fails.
     python benchmarks/fault_matrix.py            # the matrix (minutes on 2 CPU cores; --quick: under 2)
     python benchmarks/fault_matrix.py --leaks    # also the leak and changing-memory figures
 
-With ``ELASTIC_BATCHES_BENCH_QUICK=1`` (``bench --quick``) only the one-process, DDP and (in the
-plain loop) FSDP2 per module columns run; the others read "not run (quick)".
+With ``ELASTIC_BATCHES_BENCH_QUICK=1`` (``bench --quick``) only the one-process, DDP rank 1 and (in
+the plain loop) FSDP2 per module rank 1 columns run; the others read "not run (quick)".
 
 ``--leaks`` runs the procedures ``tests/test_reliability.py`` asserts bounds on
 (``support.fault_matrix.churn``) and prints what they measure: 200 OOM-and-retry
@@ -33,14 +33,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # suppor
 
 DEADLINE_S = 180
 QUICK = os.environ.get("ELASTIC_BATCHES_BENCH_QUICK", "") not in ("", "0")
-# ELASTIC_BATCHES_BENCH_QUICK=1: one column per scheme, FSDP2's in the plain loop only (the suite's
-# tests/test_fault_matrix.py runs every cell)
+# ELASTIC_BATCHES_BENCH_QUICK=1: one column per scheme, FSDP2's in the plain loop only, and of two ranks the OOM
+# on rank 1 alone (the suite's tests/test_fault_matrix.py runs every cell)
 QUICK_SETTINGS = {"plain": ("single", "ddp", "fsdp2-module"), "lightning": ("single", "ddp")}
+QUICK_RANKS = ("0", "1")  # "0" is the one process's only column
 
 
 def run_settings(fm: Any, loop: str) -> tuple[str, ...]:
     """The settings of ``loop`` this run covers: all, or under QUICK one per scheme."""
     return tuple(s for s in fm.LOOP_SETTINGS[loop] if not QUICK or s in QUICK_SETTINGS[loop])
+
+
+def run_cells(fm: Any, loop: str, setting: str) -> list[Any]:
+    """The cells of ``loop`` and ``setting`` this run covers: all, or under QUICK those of one rank's OOM."""
+    cells = fm.cells(loop, setting)
+    if not QUICK:
+        return cells
+    return [c for c in cells if c.ranks in QUICK_RANKS and (setting == "single" or c.ranks == "1")]
 
 
 COLUMNS = [("single", "0", "one process")] + [
@@ -93,14 +102,15 @@ def run_matrix() -> dict[str, list[dict[str, Any]]]:
             for loop in fm.LOOPS:
                 for setting in run_settings(fm, loop):
                     start = time.perf_counter()
-                    cells = fm.cells(loop, setting)
+                    cells = run_cells(fm, loop, setting)
                     if setting == "single":
                         runner = fm.run_plain_cell if loop == "plain" else fm.run_lightning_cell
                         for cell in cells:
                             results[cell.id] = [runner(cell, 0, 1, snapshots)]
                     else:
                         try:
-                            per_rank = pool.run(fm.run_cells, loop, setting, timeout=DEADLINE_S)
+                            only = [c.id for c in cells] if QUICK else None
+                            per_rank = pool.run(fm.run_cells, loop, setting, only, timeout=DEADLINE_S)
                         except RankFailure as failure:
                             print(f"{loop} {setting}: the job failed\n{failure}", file=sys.stderr)
                             per_rank = None
@@ -152,11 +162,11 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
                 if cell is None:
                     texts.append("n/a")
                 else:
-                    texts.append(entry(cell, results[cell.id]) if setting in covered else "not run (quick)")
+                    texts.append(entry(cell, results[cell.id]) if cell.id in results else "not run (quick)")
             print(f"| {PHASE_NAMES[phase]} | {position or '—'} | " + " | ".join(texts) + " |")
         print()
         for setting in covered:
-            cells = fm.cells(loop, setting)
+            cells = run_cells(fm, loop, setting)
             runs = [r for c in cells for r in results[c.id]]
             if not runs:
                 print(f"- {setting}: no results (the job failed)")
@@ -186,7 +196,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> int:
         print(f"| {expert.routing} | {expert.sizes} sizes | {expert.gather} | {step} | {oom} | {text} |")
     for loop in fm.LOOPS:
         for setting in run_settings(fm, loop):
-            for cell in fm.cells(loop, setting):
+            for cell in run_cells(fm, loop, setting):
                 runs = results[cell.id]
                 found = fm.problems(cell, runs) if runs else ["hang or crash"]
                 failures += bool(found)
