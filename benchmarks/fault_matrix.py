@@ -6,7 +6,7 @@ two gloo ranks under a deadline (``support.ranks.RankPool``). Prints one markdow
 (rows: where the OOM struck; columns: setting and ranks), a summary of the checks per job, and
 one JSON line per cell. Exits 1 if any cell fails.
 
-    python benchmarks/fault_matrix.py            # the matrix (minutes on 2 CPU cores; --quick: under 2)
+    python benchmarks/fault_matrix.py            # the matrix (minutes on 2 CPU cores; quick: about one)
     python benchmarks/fault_matrix.py --leaks    # also the leak and changing-memory figures
 
 With ``ELASTIC_BATCHES_BENCH_QUICK=1`` (``bench --quick``) only the one-process, DDP rank 1 and (in
@@ -36,7 +36,6 @@ QUICK = os.environ.get("ELASTIC_BATCHES_BENCH_QUICK", "") not in ("", "0")
 # ELASTIC_BATCHES_BENCH_QUICK=1: one column per scheme, FSDP2's in the plain loop only, and of two ranks the OOM
 # on rank 1 alone (the suite's tests/test_fault_matrix.py runs every cell)
 QUICK_SETTINGS = {"plain": ("single", "ddp", "fsdp2-module"), "lightning": ("single", "ddp")}
-QUICK_RANKS = ("0", "1")  # "0" is the one process's only column
 
 
 def run_settings(fm: Any, loop: str) -> tuple[str, ...]:
@@ -45,11 +44,9 @@ def run_settings(fm: Any, loop: str) -> tuple[str, ...]:
 
 
 def run_cells(fm: Any, loop: str, setting: str) -> list[Any]:
-    """The cells of ``loop`` and ``setting`` this run covers: all, or under QUICK those of one rank's OOM."""
+    """The cells of ``loop`` and ``setting`` this run covers: all, or under QUICK those of an OOM on rank 1 alone."""
     cells = fm.cells(loop, setting)
-    if not QUICK:
-        return cells
-    return [c for c in cells if c.ranks in QUICK_RANKS and (setting == "single" or c.ranks == "1")]
+    return cells if not QUICK or setting == "single" else [c for c in cells if c.ranks == "1"]
 
 
 COLUMNS = [("single", "0", "one process")] + [

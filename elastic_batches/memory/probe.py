@@ -7,9 +7,9 @@ the capacity. Probes exist for
 
 - CUDA and XPU (:class:`AcceleratorProbe`, from ``torch.cuda`` / ``torch.xpu``): in use is
   ``memory_allocated``, the peak ``max_memory_allocated`` after ``reset_peak_memory_stats``, and
-  the capacity what the caching allocator may
-  still reach: the bytes it reserved plus the device's free bytes (``mem_get_info``), at most the
-  limit set by ``set_per_process_memory_fraction``, in whole 2 MiB (its segments' grain);
+  the capacity what the caching allocator may still reach: the bytes it reserved plus the device's
+  free bytes (``mem_get_info``), at most the limit set by ``set_per_process_memory_fraction``, in
+  whole 2 MiB (its segments' grain);
 - ``elastic_batches.testing.MemoryBudget`` (simulated device memory on a CPU): its live bytes, a
   peak window, and ``limit_bytes`` (with a caching allocator in whole 2 MiB, as on CUDA).
 
@@ -120,7 +120,8 @@ class AcceleratorProbe(MemoryProbe):
 
     The capacity is what the caching allocator may still reach: what it reserved (memory cached
     for this process, free for its tensors though ``mem_get_info`` counts it as used) plus the
-    device's free bytes, at most ``get_per_process_memory_fraction`` of the device. Memory other
+    device's free bytes, at most ``get_per_process_memory_fraction`` of the device, in whole 2 MiB
+    (``SEGMENT_GRAIN``: every segment is a multiple of it, so the rest is never reserved). Memory other
     processes take shows as less free memory. Fragmentation of the cache is not visible here:
     the controller's margin is kept for it, and grows after an OOM the model did not predict.
 
@@ -210,7 +211,7 @@ class AcceleratorProbe(MemoryProbe):
             missing = self._user_reserved - int(module.max_memory_reserved(device))
             room = min(peak - allocated, self._free(), missing)  # the blocks count as allocated, and need new memory
             if missing > 0 and room >= 2 << 20:
-                room -= room % (2 << 20)  # segments are multiples of 2 MiB
+                room -= room % SEGMENT_GRAIN
                 requests = [room] if room >= 10 << 20 else [1 << 20] * (room >> 20)
                 held += [module.caching_allocator_alloc(size, device) for size in requests]
             missing = peak - int(module.memory_allocated(device))
