@@ -12,6 +12,7 @@ before the retry). ``ElasticStep.backward`` and ``evaluate`` hand it their :clas
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -138,7 +139,9 @@ class AttemptEngine:
     """
 
     def __init__(self, step: StepSettings) -> None:
-        self.step = step
+        # The step owns its engine: a strong reference back would make a cycle that keeps the model (and a DDP
+        # model's process group) alive until the garbage collector runs, or until the interpreter exits.
+        self._step = weakref.ref(step)
         self.rollback = Rollback(step.model)
         self.batchnorm = BatchNormPolicy(step.model)
         self.graph_checked = False  # the first loss's autograd graph was checked for foreign parameters
@@ -147,6 +150,20 @@ class AttemptEngine:
         self._said: set[str] = set()  # the fall-backs to the search already warned about
         self._devices_key: tuple[int, torch.device | None, torch.device | None] | None = None
         self._devices: tuple[torch.device, ...] = ()
+
+    @property
+    def step(self) -> StepSettings:
+        step = self._step()
+        if step is None:
+            raise RuntimeError("AttemptEngine: its ElasticStep is gone; an engine runs only for the step that made it")
+        return step
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copied or pickled with its step, the engine refers to the copy of the step (the memo sees the same object).
+        return {**self.__dict__, "_step": self.step}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _step=weakref.ref(state["_step"]))
 
     @property
     def controller(self) -> SplitController:

@@ -225,6 +225,45 @@ def test_fsdp2_as_the_tutorial_writes_it_trains_exactly_through_an_oom_on_one_ra
         assert result["error"] <= RTOL, f"rank {rank}: relative weight error {result['error']:.2e}"
 
 
+def _ddp_step_with_a_retry(rank: int) -> tuple[Any, int]:
+    """A DDP step that retries once (an OOM rank 1's loss raises); a weak reference to the DDP model, the split."""
+    import weakref
+
+    model = nn.parallel.DistributedDataParallel(_plain_model())
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    failed = False
+
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        nonlocal failed
+        if rank == 1 and not failed:
+            failed = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (raised by the test)")
+        return nn.functional.mse_loss(model(mb[0]), mb[1])
+
+    step.backward((torch.randn(8, 6), torch.randn(8, 1)), loss_fn)
+    step.optimizer_step(optimizer)
+    return weakref.ref(model), step.controller.split_count
+
+
+def _drop_a_ddp_step(rank: int, world: int) -> tuple[bool, int]:
+    """Whether the DDP model outlived its step without a collection, and the split the ranks agreed on."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        alive, split_count = _ddp_step_with_a_retry(rank)
+        return alive() is not None, split_count
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_ddp_step_frees_the_model_and_its_hold_on_the_process_group(ranks: RankPool) -> None:
+    """Else ``destroy_process_group`` leaves gloo's threads running into the interpreter's exit, which can abort."""
+    assert ranks.run(_drop_a_ddp_step, timeout=60) == [(False, 2), (False, 2)]
+
+
 @pytest.mark.parametrize("option", ["gradient_as_bucket_view", "find_unused_parameters"])
 def test_ddp_options_that_change_nothing_here_keep_the_update_exact(ranks: RankPool, option: str) -> None:
     """DDP's own reduction is not used: its options for it leave the result as without them, OOM included."""

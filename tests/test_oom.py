@@ -197,6 +197,35 @@ def test_release_memory_without_an_exception_collects_young_cycles_holding_tenso
     assert alive() is None
 
 
+def _train_with_a_retry() -> tuple[weakref.ref[nn.Module], int]:
+    """A step that retries once (an OOM the loss raises), then evaluates; a weak reference to its model."""
+    model = _model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    calls = 0
+
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (raised by the test)")
+        return (model(mb[0]) - mb[1]).pow(2).mean()
+
+    step.backward((torch.randn(8, 4), torch.randn(8, 1)), loss_fn)
+    step.evaluate(torch.randn(8, 4), model)
+    return weakref.ref(model), step.controller.retry_count
+
+
+def test_a_dropped_step_frees_its_model_by_reference_counting_alone() -> None:
+    """No cycle through the step: its model (on a GPU, its memory) goes with the last reference, not at a collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        alive, retries = _train_with_a_retry()
+        assert retries == 1 and alive() is None
+    finally:
+        gc.enable()
+
+
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))

@@ -8,7 +8,9 @@ autocast the reference is computed under the same autocast and the tolerance is 
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +81,27 @@ class Sizes:
 
 # ---------------------------------------------------------------------------------------------
 # Same update
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_step_trains_its_own_copy_of_the_model(how: str) -> None:
+    """The engine holds its step weakly (no cycle); copied with it, it follows the copy, not the original."""
+    model = _model()
+    step = eb.ElasticStep(model, controller=eb.SplitController(split_count=2))
+    copied_model, copied = (
+        copy.deepcopy((model, step)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, step)))
+    )
+    assert copied.engine.step is copied and copied.model is copied_model
+    batch = _batch()
+    copied.backward(batch, _mse(copied_model))
+    assert all(p.grad is None for p in model.parameters())
+    _assert_grads(copied_model, _reference(copied_model, batch))
+
+
+def test_an_engine_whose_step_is_gone_says_so() -> None:
+    engine = eb.ElasticStep(_model()).engine
+    with pytest.raises(RuntimeError, match="its ElasticStep is gone"):
+        _ = engine.controller
 
 
 @pytest.mark.parametrize("count", range(1, 8), ids=[f"split-{k}" for k in range(1, 8)])
