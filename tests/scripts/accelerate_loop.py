@@ -20,6 +20,8 @@ from torch import nn
 import elastic_batches as eb
 from elastic_batches.testing import MemoryBudget
 
+from support.process_group import close_process_group
+
 FEATURES, ROWS, STEPS = 32, 64, 3  # ROWS: the global batch of one optimizer step (by default)
 
 
@@ -60,3 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close_process_group()  # before the interpreter exits, where gloo's threads can abort a finished rank

@@ -23,6 +23,7 @@ from elastic_batches.testing import MemoryBudget
 from elastic_batches.transformers import Trainer
 
 from support.hf_models import client
+from support.process_group import close_process_group
 
 STEPS = 4
 
@@ -74,3 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close_process_group()  # before the interpreter exits, where gloo's threads can abort a finished rank
