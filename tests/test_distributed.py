@@ -9,9 +9,11 @@ computed on each rank in float32; weights must match it within ``RTOL``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -227,8 +229,6 @@ def test_fsdp2_as_the_tutorial_writes_it_trains_exactly_through_an_oom_on_one_ra
 
 def _ddp_step_with_a_retry(rank: int) -> tuple[Any, int]:
     """A DDP step that retries once (an OOM rank 1's loss raises); a weak reference to the DDP model, the split."""
-    import weakref
-
     model = nn.parallel.DistributedDataParallel(_plain_model())
     step = eb.ElasticStep(model, controller=eb.SplitController(split_count=1))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -248,8 +248,6 @@ def _ddp_step_with_a_retry(rank: int) -> tuple[Any, int]:
 
 def _drop_a_ddp_step(rank: int, world: int) -> tuple[bool, int]:
     """Whether the DDP model outlived its step without a collection, and the split the ranks agreed on."""
-    import gc
-
     gc.collect()
     gc.disable()
     try:
