@@ -20,7 +20,11 @@ second step on, but for the last microbatch's backward, which starts every bucke
 own buckets. Under DDP the vote rides in the first bucket's ``all_reduce`` (from the second
 step on; the first step's vote is a separate ``all_gather``), the last of the step's; the row
 "ddp, not overlapped" is ``ElasticStep`` with ``overlap=False`` (every bucket but the first
-reduced after the vote, as before issue 29), timed in the same rounds; under FSDP2 the vote rides in the first
+reduced after the vote, as before issue 29), timed in the same rounds, and, for the one-bucket small model,
+"ddp, protocol floor" is a hand-written step doing only what the protocol cannot skip (the random
+state saved, the batch cut, every microbatch under ``no_sync``, one ``all_reduce`` of the gradients
+copied into a flat buffer with the vote's bytes, copied back): ``ElasticStep``'s time over it is its
+own Python. Under FSDP2 the vote rides in the first
 ``reduce_scatter`` (with the gradients that fit in 1 MiB of float32 in each rank's part),
 then the others follow, after a gather check (an ``all_gather`` of 5 numbers) at the start of
 the step. Its cost is split into the vote ("vote ms": the collective with the vote in it) and
@@ -112,6 +116,7 @@ MODELS = {
 STEPS_PER_ROUND = {"mlp-small": 10, "mlp-medium": 1, "mlp-comm": 1}
 SPLITS = {"mlp-comm": 2}  # microbatches per step where not SPLIT
 SCHEMES = {"mlp-comm": ("ddp",)}  # where not both DDP and FSDP2 (the overlapped last microbatch is DDP's)
+FLOOR = ("mlp-small",)  # one gradient bucket: the protocol's floor (``_protocol_floor``) is timed beside it
 ONLY_DDP = "ELASTIC_BATCHES_BENCH_DDP"  # set (by --ddp): the DDP rows on two ranks only
 
 
@@ -275,10 +280,50 @@ def _variants(kind: str, name: str, rank: int, mesh: Any) -> tuple[dict[str, Cal
         probes["serial_exposed"] = []
         run_serial, _ = elastic_runner(kept, False, probes["serial_exposed"])
         variants = {"plain": ddp_plain, "elastic": run_elastic, "serial": run_serial}
+        if name in FLOOR:
+            variants["floor"] = _protocol_floor(wrap(_model(features, width, layers)), x, y, split)
     else:
         variants = {"plain": lambda: fsdp_plain(plain, False), "kept": lambda: fsdp_plain(kept, True)}
         variants["elastic"] = run_elastic
     return variants, probes
+
+
+def _protocol_floor(
+    model: nn.parallel.DistributedDataParallel, x: torch.Tensor, y: torch.Tensor, split: int
+) -> Callable[[], None]:
+    """A hand-written step doing only the work ``ElasticStep``'s protocol cannot skip, for a one-bucket model.
+
+    The random state saved (a retry rewinds to it), the batch cut again (it arrives whole), every
+    microbatch under ``no_sync``, the losses stacked and summed, then the gradients copied into one
+    flat buffer with the vote's bytes (``VOTE_BYTES`` a rank) after them, one ``all_reduce`` of it,
+    and the gradients copied back: what is left of ``ElasticStep``'s time over this is its own Python.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    sizes = [p.numel() for p in params]
+    votes = dist.get_world_size() * eb.distributed.wire.VOTE_BYTES
+    flat = torch.zeros(sum(sizes) + votes)
+    views = [v.view_as(p) for v, p in zip(flat[: sum(sizes)].split(sizes), params, strict=True)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rows = len(x)
+
+    def step() -> None:
+        torch.get_rng_state()
+        losses = []
+        with model.no_sync():
+            for xi, yi in zip(x.tensor_split(split), y.tensor_split(split), strict=True):
+                weighted = nn.functional.mse_loss(model(xi), yi) * (len(xi) / rows)
+                weighted.backward()
+                losses.append(weighted.detach())
+        torch.stack(losses).sum()
+        grads = [p.grad for p in params]
+        torch._foreach_copy_(views, grads)
+        flat[-votes:] = 1.0
+        dist.all_reduce(flat)
+        torch._foreach_copy_(grads, views)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def _measure(variants: dict[str, Callable[[], None]], rounds: int) -> tuple[dict[str, list[float]], dict[str, float]]:
@@ -412,6 +457,11 @@ def _worker(rank: int, world: int, init_file: str, results: Any) -> None:
                 record["ratio_to_serial"] = statistics.median(
                     e / s for e, s in zip(times["elastic"], serial, strict=True)
                 )
+                if "floor" in times:
+                    floor = times["floor"]
+                    record["floor_ms"] = 1e3 * statistics.median(floor) / steps
+                    record["floor_ratio"] = statistics.median(f / p for f, p in zip(floor, times["plain"], strict=True))
+                    record["cpu_floor_over_plain_ms"] = 1e3 * (cpu["floor"] - cpu["plain"]) / steps
                 if world > 1:
                     record["all_reduce_alone_ms"] = 1e3 * _all_reduce_alone(probes["sync"])
             else:
@@ -655,6 +705,10 @@ def main() -> None:
             serial += [f"{r['serial_ms']:.2f}", f"{r['serial_ratio']:.3f}", "", "", "", "", "", ""]
             serial += [f"{r['serial_exposed_ms']:.2f}"]
             rows.append(serial + [""] * (len(headers) - len(serial)))
+        if "floor_ms" in r:
+            floor = [r["ranks"], r["model"], "ddp, protocol floor", r["rounds"], f"{r['plain_ms']:.2f}"]
+            floor += [f"{r['floor_ms']:.2f}", f"{r['floor_ratio']:.3f}", f"{r['cpu_floor_over_plain_ms']:.3f}"]
+            rows.append(floor + [""] * (len(headers) - len(floor)))
         if "kept_ms" in r:
             kept = [r["ranks"], r["model"], "fsdp2 kept", r["rounds"], f"{r['kept_ms']:.2f}", ""]
             kept.append(f"{r['ratio_to_kept']:.3f}")
