@@ -232,7 +232,7 @@ class AttemptEngine:
         model = self._model(call.probe)
         if reading is None or model is None or call.probe is None:
             return plan, None
-        return plan, Meter(call.probe, model, reading)
+        return plan, Meter(call.probe, model, reading, measuring=plan.measuring)
 
     def run(self, call: _Call, plan: Plan, meter: Meter | None) -> Outcome:
         """Save what a failure must restore (once a call, inside the attempt), then run the work's microbatches."""

@@ -527,6 +527,30 @@ def test_memory_that_grows_back_after_a_spike_is_used_again_within_the_stated_ba
     assert run.controller.memory is not None and run.controller.memory.margin == pytest.approx(0.05)
 
 
+def test_a_size_past_a_caching_allocator_s_segment_is_not_tried_again_at_every_narrowing_of_the_margin() -> None:
+    from elastic_batches.memory import RECOVER_AFTER
+
+    # 8 MiB of a caching allocator: 64 rows of 4096 floats make a 1 MiB activation, from the small pool; from 65 rows
+    # it needs a 20 MiB segment, which never fits. The measured line cannot see that jump.
+    budget = MemoryBudget(8 << 20, allocator="caching")
+    with budget:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4096), nn.Tanh(), nn.Linear(4096, 1))
+    step = eb.ElasticStep(model, controller=eb.SplitController(), memory=budget)
+    batch = _batch(256)
+    ooms = []
+    for _ in range(5 * RECOVER_AFTER):  # three narrowings of the margin (after 8, 16 and 32 calm batches)
+        before = step.controller.oom_count
+        model.zero_grad(set_to_none=True)
+        with budget:
+            step.backward(batch, _loss(model))
+        ooms.append(step.controller.oom_count - before)
+    grads = _grads(model)
+    _assert_close(grads, _reference(model, batch))
+    assert step.controller.split_count == 4 and step.controller.microbatch_size == 64  # the fewest that fit
+    assert sum(ooms) <= 3 and sum(ooms[2 * RECOVER_AFTER :]) == 0, ooms  # once learned, never tried again
+
+
 def test_a_predicted_state_loaded_without_a_margin_starts_at_the_learned_count() -> None:
     run = Run(_limit(6))
     for _ in range(3):

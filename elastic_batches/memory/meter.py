@@ -25,11 +25,13 @@ class Meter:
         probe: The device's probe.
         model: The controller's memory model.
         start: The reading when the attempt started (its capacity is known).
+        measuring: The attempt measures (its pieces' sizes follow the model as it learns).
     """
 
-    def __init__(self, probe: MemoryProbe, model: MemoryModel, start: MemoryReading) -> None:
+    def __init__(self, probe: MemoryProbe, model: MemoryModel, start: MemoryReading, *, measuring: bool) -> None:
         assert start.capacity is not None
         self.probe, self.model = probe, model
+        self.measuring = measuring  # the attempt measures: its failure is the cache's shape of the moment
         self.start = start.in_use
         self.capacity = start.capacity
         self.index = 0  # microbatches measured so far
@@ -98,7 +100,8 @@ class Meter:
             if self.model.ready:
                 self.model.widen("an OOM outside the microbatches, where it predicts nothing")
             return
-        self.model.observe_failure(self.size, self.capacity - self.before, first=self.index == 0)
+        free = self.capacity - self.before
+        self.model.observe_failure(self.size, free, first=self.index == 0, measuring=self.measuring)
 
     def reading(self) -> MemoryReading:
         """What the next attempt will likely start with: this one's start, the capacity last read."""

@@ -44,7 +44,12 @@ controller's OOM-driven search plans alone. A widened margin is a lesson of one 
 of memory, another process): after ``RECOVER_AFTER`` (8) batches without an OOM it narrows back
 one step and the failures it learned are forgotten, so memory that came back is used again within
 8 batches a step; an OOM the model did not predict within as many batches of a narrowing doubles
-that wait (up to 64 times).
+that wait (up to 64 times). Kept at narrowings: a failure in an attempt planned from the model that
+no measurement contradicts (no microbatch of its size or larger fitted in what was free when it
+failed: not a spike but the model's own error there, such as a caching allocator's new segment),
+so that the size is not tried again at each; one in a measuring attempt, whose cache the pieces
+of other sizes shaped, is forgotten. A kept failure goes when a measurement contradicts it, or
+when memory per microbatch falls.
 
 The model plans only once its line has a slope from measurements (:attr:`MemoryModel.ready`: two
 sizes of later microbatches ``SPREAD`` or more apart): a line through the origin takes the bytes every
@@ -67,11 +72,12 @@ __all__ = ["RECOVER_AFTER", "SPREAD", "MemoryModel", "check_margin", "format_byt
 
 logger = logging.getLogger("elastic_batches.memory_model")  # the name it logged under before the subpackage
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 _STATE_KEYS_V1 = frozenset(
     {"version", "unit", "base_margin", "margin", "retained", "later", "first", "failures", "wrong", "enabled"}
 )
-_STATE_KEYS = _STATE_KEYS_V1 | {"calm", "recover_after", "probation"}  # version 2: the margin narrows back
+_STATE_KEYS_V2 = _STATE_KEYS_V1 | {"calm", "recover_after", "probation"}  # version 2: the margin narrows back
+_STATE_KEYS = _STATE_KEYS_V2 | {"kept"}  # version 3: failures of planned attempts kept at narrowings
 _SIZES = 16  # increments kept, one per size
 _LARGEST = 1 << 62  # no microbatch is larger
 _FIRSTS = 4  # first microbatches' increments kept
@@ -163,6 +169,7 @@ class MemoryModel:
         self._later: dict[int, int] = {}  # size -> increment of a microbatch after the first, latest last
         self._first: dict[int, int] = {}
         self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
+        self._kept: set[int] = set()  # sizes of failures in planned attempts: kept at narrowings unless contradicted
         self._forward: dict[int, int] = {}  # size -> bytes a microbatch after the first held when its forward ended
         self._spread = False  # the line's slope comes from sizes SPREAD apart (else: through the origin)
 
@@ -232,20 +239,24 @@ class MemoryModel:
     def _failed(self, size: int) -> float:
         """What the failures say a microbatch of ``size`` needs at least (0: nothing).
 
-        A failure at ``failed`` with ``free`` bytes free: more than ``free`` from ``failed`` on; from the
-        largest size measured below ``failed``, a line up to that bound.
+        A failure at ``failed`` with ``free`` bytes free: at ``failed``, a unit's bytes (the line's
+        ``per_unit``, at least one byte) more than ``free`` (the bytes in use differ by a small tensor or
+        two from one reading to the next: a plan must not try the size again for a few bytes more),
+        and as many more for each unit beyond; from the largest size measured below ``failed``, a line
+        up to that bound.
         """
         bound = 0.0
         measured = self._later or self._first
         for failed, free in self._failures.items():
+            at_failed = free + max(1.0, self.per_unit)
             if size >= failed:
-                bound = max(bound, free + 1.0)
+                bound = max(bound, at_failed + self.per_unit * (size - failed))
                 continue
             below = [s for s in measured if s < failed]
             low = max(below, default=0)
             if size > low:
                 base = self._measured(low) if low else 0.0
-                bound = max(bound, base + (free + 1.0 - base) * (size - low) / (failed - low))
+                bound = max(bound, base + (at_failed - base) * (size - low) / (failed - low))
         return bound
 
     def _top(self) -> tuple[int, int] | None:
@@ -326,8 +337,12 @@ class MemoryModel:
             while len(self._forward) > _FIRSTS:
                 self._forward.pop(next(iter(self._forward)))
         expected = 0.0 if first else self._expected(size)
-        if increment < (1.0 - _FELL) * expected or (expected and increment > (1.0 + _GREW) * expected):
+        fell = increment < (1.0 - _FELL) * expected
+        if fell or (expected and increment > (1.0 + _GREW) * expected):
             self._later.clear()  # memory per microbatch fell or grew: what was measured before no longer holds
+        if fell:  # the failures bound a larger need than there is now (when it grew, they still hold)
+            self._failures.clear()
+            self._kept.clear()
         points.pop(size, None)
         points[size] = increment
         while len(points) > (_FIRSTS if first else _SIZES):
@@ -335,6 +350,7 @@ class MemoryModel:
         if not first:  # a failure that a larger microbatch contradicts no longer holds
             for failed in [s for s, free in self._failures.items() if s <= size and free >= increment]:
                 del self._failures[failed]
+                self._kept.discard(failed)
         self._fit()
 
     def _expected(self, size: int) -> float:
@@ -354,12 +370,15 @@ class MemoryModel:
         """The memory in use grew by ``nbytes`` from the start of an attempt to its second microbatch."""
         self.retained = max(0, int(nbytes))
 
-    def observe_failure(self, size: int, free: int, *, first: bool) -> bool:
+    def observe_failure(self, size: int, free: int, *, first: bool, measuring: bool = False) -> bool:
         """A microbatch of ``size`` ran out of memory with ``free`` bytes of the capacity free when it started.
 
         The model is refitted so that it predicts the failure. Returns whether the model was
         wrong: it had predicted that the microbatch fits in ``free`` (then the margin widens);
         a failure it predicted (the capacity shrank after the plan) changes only the fit.
+        ``measuring``: the attempt was measuring (its pieces of other sizes shaped the cache), so
+        the failure is forgotten at the next narrowing; one of a planned attempt is kept then,
+        unless a measurement contradicts it.
         """
         if first:  # the first microbatch's peak is bounded by the whole attempt's: retained + increment
             need, bound = self.predict(size), free - (self.retained or 0)
@@ -368,8 +387,12 @@ class MemoryModel:
         wrong = self.enabled and bool(self._later or self._first) and need <= free
         self._failures.pop(size, None)
         self._failures[size] = max(0, int(bound))
+        if measuring:
+            self._kept.discard(size)
+        else:
+            self._kept.add(size)
         while len(self._failures) > _FAILURES:
-            self._failures.pop(next(iter(self._failures)))
+            self._kept.discard(self._failures.pop(next(iter(self._failures))))
         self._fit()
         if wrong:
             self.widen(f"a microbatch of {size} {self.unit} ran out of memory where it predicted {format_bytes(need)}")
@@ -380,7 +403,9 @@ class MemoryModel:
 
         Narrowing halves the margin (not below the one it started with), counts one wrong
         prediction less and forgets the failures learned, so that memory that came back after a
-        spike is planned with again.
+        spike is planned with again; but not those of planned attempts that no measurement
+        contradicts (beyond every size that fitted: the model's own error there), which would
+        otherwise run out of memory again at every narrowing.
 
         Example:
             >>> from elastic_batches.memory import RECOVER_AFTER, MemoryModel
@@ -393,7 +418,8 @@ class MemoryModel:
         """
         if self.probation and self.calm + 1 >= self.recover_after:
             self.probation, self.recover_after = False, RECOVER_AFTER  # the narrowing held
-        if self.wrong == 0 and not self._failures:
+        forgotten = [s for s, free in self._failures.items() if s not in self._kept or self._contradicted(s, free)]
+        if self.wrong == 0 and not forgotten:
             self.calm = 0
             return
         self.calm += 1
@@ -403,14 +429,24 @@ class MemoryModel:
         self.calm, self.probation = 0, True
         self.wrong = max(0, self.wrong - 1)
         self.margin = max(self.base_margin, self.margin / 2)
-        self._failures.clear()
+        for size in forgotten:
+            del self._failures[size]
+            self._kept.discard(size)
         self._fit()
+        kept = ""
+        if self._failures:
+            kept = f", {len(self._failures)} of planned attempts beyond every size that fitted kept"
         logger.info(
-            "memory model: %d batches without an OOM: margin %.0f%% -> %.0f%%, the failures learned forgotten",
+            "memory model: %d batches without an OOM: margin %.0f%% -> %.0f%%, the failures learned forgotten%s",
             self.recover_after,
             100 * before,
             100 * self.margin,
+            kept,
         )
+
+    def _contradicted(self, size: int, free: int) -> bool:
+        """Whether a later microbatch of ``size`` or larger was measured to need no more than ``free`` bytes."""
+        return any(measured >= size and increment <= free for measured, increment in self._later.items())
 
     def widen(self, why: str) -> None:
         """An OOM the model did not predict: keep more of the capacity free; after four, predict nothing."""
@@ -472,6 +508,7 @@ class MemoryModel:
             "later": [[s, y] for s, y in self._later.items()],
             "first": [[s, y] for s, y in self._first.items()],
             "failures": [[s, y] for s, y in self._failures.items()],
+            "kept": sorted(self._kept),
             "wrong": self.wrong,
             "enabled": self.enabled,
             "calm": self.calm,
@@ -491,8 +528,11 @@ class MemoryModel:
         if state.get("version") == 1:  # written before the margin narrowed back: it starts calm
             check_state_dict("MemoryModel", state, _STATE_KEYS_V1, 1)
             state = {**state, "calm": 0, "recover_after": RECOVER_AFTER, "probation": False}
+        elif state.get("version") == 2:  # written before failures of planned attempts were kept
+            check_state_dict("MemoryModel", state, _STATE_KEYS_V2, 2)
         else:
             check_state_dict("MemoryModel", state, _STATE_KEYS, _STATE_VERSION)
+        state = {"kept": [], **state}
         fields = StateFields("MemoryModel", state, source="MemoryModel.state_dict() (or SplitController.state_dict())")
         if state["unit"] != self.unit:
             raise fields.error("unit", f"{self.unit!r} (the controller's unit)")
@@ -506,6 +546,10 @@ class MemoryModel:
                 for p in pairs
             ):
                 raise fields.error(key, "a list of [size >= 1, bytes >= 0] pairs")
+        kept = state["kept"]
+        failed = {pair[0] for pair in state["failures"]}
+        if not isinstance(kept, (list, tuple)) or not all(is_int(s) and s in failed for s in kept):
+            raise fields.error("kept", "a list of sizes in state['failures']")
         for key, low in (("wrong", 0), ("calm", 0), ("recover_after", 1)):
             fields.int(key, low=low)
         fields.bool("enabled")
@@ -515,6 +559,7 @@ class MemoryModel:
         self._later = {s: y for s, y in state["later"]}
         self._first = {s: y for s, y in state["first"]}
         self._failures = {s: y for s, y in state["failures"]}
+        self._kept = set(kept)
         self.wrong = state["wrong"]
         self.enabled = state["enabled"]
         self.calm, self.recover_after, self.probation = state["calm"], state["recover_after"], state["probation"]
