@@ -41,6 +41,9 @@ whose activations are MiB-sized (so that segment sizes matter), ``--model gradie
 ``--model activations`` on an MLP 8-1024-1 whose peak is mostly activations (bytes per row), each on
 batches of 128 and 512 rows; ``--lm-only`` skips the first two tables. With a predictor, the
 table also counts the runs whose margin grew (an OOM the memory model did not predict).
+``--long`` runs the predicted policy alone, 40 steps a case (three narrowings of a widened margin,
+after 8, 16 and 32 calm batches), and counts the OOMs after its first step and the steps they
+happened in.
 
 Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact;
 ``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer steps, counts and, for the tiny LM, batches of 16 and 256 only).
@@ -61,6 +64,7 @@ from _policies import make, peak_at
 from elastic_batches import ElasticBatch, ElasticOOMError, SplitController
 from elastic_batches.demo import DemoConfig
 from elastic_batches.demo_model import lm_loss
+from elastic_batches.memory import RECOVER_AFTER
 from elastic_batches.testing import MemoryBudget
 
 STEPS = 30 if QUICK else 60
@@ -297,6 +301,7 @@ LM = DemoConfig(seq_len=16, vocab_size=48, dim=32, heads=2, layers=1)
 LM_BATCHES = (16, 256) if QUICK else (16, 100, 256, 1000)
 LM_COUNTS = (1, 2, 3, 6, 16, 40) if QUICK else (1, 2, 3, 4, 6, 10, 16, 40, 100)
 LM_STEPS = 5 if QUICK else 6
+LONG_STEPS = 5 * RECOVER_AFTER  # --long: three narrowings of a widened margin (after 8, 16 and 32 calm batches)
 ALLOCATOR = "exact"  # --allocator: the MemoryBudget's allocator model
 # --model heavy: activations of MiB (a batch of 64 holds 4 MiB per activation), where segment sizes matter
 HEAVY = DemoConfig(seq_len=128, vocab_size=64, dim=128, heads=2, layers=1)
@@ -486,17 +491,55 @@ def lm_main() -> None:
     )
 
 
+def long_main() -> None:
+    """The predicted policy over ``LONG_STEPS`` steps a case: the OOMs after its first step, and when."""
+    rows_out = []
+    for rows, limit, fewest, kind in lm_cases():
+        model, batch = _lm(rows)
+        runner = make(
+            "predicted", model, lambda mb, model=model: _loss(model, mb), MemoryBudget(limit, allocator=ALLOCATOR)
+        )
+        steps = [runner.step(batch) for _ in range(LONG_STEPS)]
+        late = [i + 1 for i, (spent, _) in enumerate(steps) if spent and i > 0]  # 1-based steps, the first left out
+        counts = [count for _, count in steps]
+        emit(
+            {
+                "benchmark": "search_quality_lm_long",
+                "policy": "predicted",
+                "allocator": ALLOCATOR,
+                "batch": rows,
+                "limit": kind,
+                "limit_bytes": limit,
+                "fewest": fewest,
+                "steps": LONG_STEPS,
+                "ooms_first_step": steps[0][0],
+                "ooms_after_first_step": sum(spent for spent, _ in steps[1:]),
+                "steps_with_an_oom_after_the_first": late,
+                "last_microbatches": counts[-1],
+            }
+        )
+        after = sum(spent for spent, _ in steps[1:])
+        rows_out.append([rows, kind, f"{limit / 2**20:.3f}", fewest, steps[0][0], after, late or "", counts[-1]])
+    print(f"\npredicted, {_workload()} under MemoryBudget(allocator={ALLOCATOR!r}), {LONG_STEPS} steps a case")
+    headers = ["B", "limit", "MiB", "fewest", "OOMs step 1", "OOMs after", "steps with an OOM after", "last mbs"]
+    print(table(headers, rows_out))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allocator", choices=["exact", "caching", "expandable"], default="exact")
     parser.add_argument("--model", choices=["tiny", "heavy", *MLPS], default="tiny")
     parser.add_argument("--lm-only", action="store_true", help="skip the size-oracle tables")
+    parser.add_argument("--long", action="store_true", help=f"only the predicted policy, {LONG_STEPS} steps a case")
     args = parser.parse_args()
     ALLOCATOR = args.allocator
     if args.model == "heavy":
         LM, LM_BATCHES, LM_COUNTS = HEAVY, HEAVY_BATCHES, HEAVY_COUNTS
     elif args.model in MLPS:
         WIDTHS, LM_BATCHES, LM_COUNTS = MLPS[args.model], MLP_BATCHES, MLP_COUNTS
-    if not args.lm_only:
-        main()
-    lm_main()
+    if args.long:
+        long_main()
+    else:
+        if not args.lm_only:
+            main()
+        lm_main()
