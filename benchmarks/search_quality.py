@@ -58,8 +58,8 @@ from collections.abc import Callable
 import torch
 from _harness import QUICK, emit, table
 from _policies import POLICIES as LM_POLICIES
+from _policies import Policy, make, peak_at
 from _policies import fewest as fewest_count
-from _policies import make, peak_at
 
 from elastic_batches import ElasticBatch, ElasticOOMError, SplitController
 from elastic_batches.demo import DemoConfig
@@ -386,15 +386,21 @@ def lm_cases() -> list[tuple[int, int, int, str]]:
     return cases
 
 
-def lm_run(policy: str, rows: int, limit: int) -> tuple[int, int, int, list[int]]:
-    """OOMs until the count stopped changing, the settled count, OOMs after it, and each step's count."""
+def _steps(policy: str, rows: int, limit: int, steps: int) -> tuple[list[int], list[int], Policy]:
+    """``policy`` trained ``steps`` steps on a batch of ``rows`` under ``limit``: each step's OOMs and count."""
     model, batch = _lm(rows)
     runner = make(policy, model, lambda mb: _loss(model, mb), MemoryBudget(limit, allocator=ALLOCATOR))
     ooms, counts = [], []
-    for _ in range(LM_STEPS):
+    for _ in range(steps):
         spent, count = runner.step(batch)
         ooms.append(spent)
         counts.append(count)
+    return ooms, counts, runner
+
+
+def lm_run(policy: str, rows: int, limit: int) -> tuple[int, int, int, list[int]]:
+    """OOMs until the count stopped changing, the settled count, OOMs after it, and each step's count."""
+    ooms, counts, runner = _steps(policy, rows, limit, LM_STEPS)
     memory = getattr(getattr(runner, "controller", None), "memory", None)
     if policy == "predicted" and memory is not None:
         WIDENED.append(int(memory.margin > 0.05))
@@ -495,13 +501,9 @@ def long_main() -> None:
     """The predicted policy over ``LONG_STEPS`` steps a case: the OOMs after its first step, and when."""
     rows_out = []
     for rows, limit, fewest, kind in lm_cases():
-        model, batch = _lm(rows)
-        runner = make(
-            "predicted", model, lambda mb, model=model: _loss(model, mb), MemoryBudget(limit, allocator=ALLOCATOR)
-        )
-        steps = [runner.step(batch) for _ in range(LONG_STEPS)]
-        late = [i + 1 for i, (spent, _) in enumerate(steps) if spent and i > 0]  # 1-based steps, the first left out
-        counts = [count for _, count in steps]
+        ooms, counts, _ = _steps("predicted", rows, limit, LONG_STEPS)
+        late = [i + 1 for i, spent in enumerate(ooms) if spent and i > 0]  # 1-based steps, the first left out
+        after = sum(ooms[1:])
         emit(
             {
                 "benchmark": "search_quality_lm_long",
@@ -512,14 +514,13 @@ def long_main() -> None:
                 "limit_bytes": limit,
                 "fewest": fewest,
                 "steps": LONG_STEPS,
-                "ooms_first_step": steps[0][0],
-                "ooms_after_first_step": sum(spent for spent, _ in steps[1:]),
+                "ooms_first_step": ooms[0],
+                "ooms_after_first_step": after,
                 "steps_with_an_oom_after_the_first": late,
                 "last_microbatches": counts[-1],
             }
         )
-        after = sum(spent for spent, _ in steps[1:])
-        rows_out.append([rows, kind, f"{limit / 2**20:.3f}", fewest, steps[0][0], after, late or "", counts[-1]])
+        rows_out.append([rows, kind, f"{limit / 2**20:.3f}", fewest, ooms[0], after, late or "", counts[-1]])
     print(f"\npredicted, {_workload()} under MemoryBudget(allocator={ALLOCATOR!r}), {LONG_STEPS} steps a case")
     headers = ["B", "limit", "MiB", "fewest", "OOMs step 1", "OOMs after", "steps with an OOM after", "last mbs"]
     print(table(headers, rows_out))

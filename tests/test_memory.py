@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_batches.memory import AcceleratorProbe, MemoryModel, MemoryReading, active_probe, device_probe
+from elastic_batches.memory import (
+    RECOVER_AFTER,
+    AcceleratorProbe,
+    MemoryModel,
+    MemoryReading,
+    active_probe,
+    device_probe,
+)
 from elastic_batches.testing import MemoryBudget, StandInCuda, inject_oom
 
 
@@ -138,8 +145,6 @@ def test_a_larger_success_contradicts_an_older_failure() -> None:
 
 
 def _narrow(model: MemoryModel) -> None:
-    from elastic_batches.memory import RECOVER_AFTER
-
     for _ in range(RECOVER_AFTER):
         model.calm_batch()
 
