@@ -159,11 +159,34 @@ def test_a_failure_beyond_every_size_that_fitted_is_kept_at_a_narrowing_when_a_p
     _narrow(model)
     assert model.margin == 0.05 and model.wrong == 0
     # planned: the model's own error there, kept (else the size fails again at every narrowing); measuring: the
-    # cache was shaped by the ramp's pieces of other sizes, so it is tried again
-    assert model.failed_at(30) is not measuring
+    # cache was shaped by the ramp's pieces of other sizes, so it is tried again, and nothing larger yet
+    assert model.failed_at(30) is not measuring and model.failed_at(31)
     # 4550 free: the kept failure wants a unit's 100 bytes over its 4500 at 30, the line from (20, 3000) up to
-    # it 4440 at 29; forgotten, the line alone: 1000 + 100 * 35
-    assert model.largest(MemoryReading(0, 4550), margin=0.0) == (35 if measuring else 29)
+    # it 4440 at 29; moved to 31, the line from (20, 3000) up to 4600 there is 4455 at 30
+    assert model.largest(MemoryReading(0, 4550), margin=0.0) == (30 if measuring else 29)
+
+
+def test_a_measuring_attempt_s_failure_moves_up_one_narrowing_at_a_time_then_is_forgotten() -> None:
+    model = _linear(MemoryModel(0.05), fixed=1000, per_unit=100, sizes=[1, 10, 20])
+    model.observe_failure(30, free=4500, first=False, measuring=True)
+    bounds = []
+    for _ in range(5):
+        _narrow(model)
+        bounds.append(next((size for size in range(1, 100) if model.failed_at(size)), None))
+    # one unit past 30 (30 tried again before any larger), then the distance doubled and one more; past 30 forgotten
+    assert bounds == [31, 33, 37, 45, None]
+    # plenty free: each narrowing plans no further than just below the size it bounds from
+    assert model.largest(MemoryReading(0, 10_000), margin=0.0) == 90
+
+
+def test_a_moved_failure_that_a_planned_attempt_fails_below_leaves_the_planned_failure_kept() -> None:
+    model = _linear(MemoryModel(0.05), fixed=1000, per_unit=100, sizes=[1, 10, 20])
+    model.observe_failure(30, free=4500, first=False, measuring=True)
+    _narrow(model)
+    model.observe_failure(30, free=4500, first=False)  # the size tried again in a planned attempt: not a fluke
+    for _ in range(4):
+        _narrow(model)
+    assert model.failed_at(30) and not model.failed_at(29)
 
 
 def test_a_failure_a_measurement_contradicts_is_forgotten_at_a_narrowing_as_a_spike() -> None:
@@ -203,16 +226,35 @@ def test_a_state_keeps_which_failures_are_kept_and_one_written_before_them_loads
     model = _linear(MemoryModel(0.05), fixed=1000, per_unit=100, sizes=[1, 10, 20])
     model.observe_failure(30, free=4500, first=False)  # a planned attempt's: kept at narrowings
     state = model.state_dict()
-    assert state["version"] == 3 and state["kept"] == [30]
+    assert state["version"] == 4 and state["kept"] == [30]
     restored = MemoryModel(0.05)
     restored.load_state_dict(state)
     _narrow(restored)
     assert restored.failed_at(30)
-    older = {key: value for key, value in state.items() if key != "kept"}
+    older = {key: value for key, value in state.items() if key not in ("kept", "moved")}
     restored.load_state_dict({**older, "version": 2})  # written before: nothing kept, forgotten at a narrowing
     assert restored.state_dict()["kept"] == []
     with pytest.raises(ValueError, match=r"state\['kept'\] must be a list of sizes in state\['failures'\], got \[7\]"):
         restored.load_state_dict({**state, "kept": [7]})
+
+
+def test_a_state_keeps_where_failures_moved_from_and_one_written_before_them_loads_with_none_moved() -> None:
+    model = _linear(MemoryModel(0.05), fixed=1000, per_unit=100, sizes=[1, 10, 20])
+    model.observe_failure(30, free=4500, first=False, measuring=True)
+    _narrow(model)
+    state = model.state_dict()
+    assert state["version"] == 4 and state["moved"] == [[31, 30]] and state["failures"] == [[31, 4500]]
+    restored = MemoryModel(0.05)
+    restored.load_state_dict(state)
+    _narrow(restored)
+    assert restored.state_dict()["moved"] == [[33, 30]]  # it goes on moving from where the saved one was
+    older = {key: value for key, value in state.items() if key != "moved"}
+    restored.load_state_dict({**older, "version": 3})  # written before: the failure stays where it is, not moved
+    assert restored.state_dict()["moved"] == []
+    message = r"state\['moved'\] must be a list of \[size in state\['failures'\] and not kept, 1 <= origin < size\]"
+    for moved in ([[31, 31]], [[32, 30]], [[31]]):
+        with pytest.raises(ValueError, match=message):
+            restored.load_state_dict({**state, "moved": moved})
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ class Meter:
     def __init__(self, probe: MemoryProbe, model: MemoryModel, start: MemoryReading, *, measuring: bool) -> None:
         assert start.capacity is not None
         self.probe, self.model = probe, model
-        self.measuring = measuring  # its failures are forgotten at the model's next narrowing, not kept
+        self.measuring = measuring  # its failures move up at the model's narrowings, not kept
         self.start = start.in_use
         self.capacity = start.capacity
         self.index = 0  # microbatches measured so far

@@ -47,9 +47,13 @@ one step and the failures it learned are forgotten, so memory that came back is 
 that wait (up to 64 times). Kept at narrowings: a failure in an attempt planned from the model that
 no measurement contradicts (no microbatch of its size or larger fitted in what was free when it
 failed: not a spike but the model's own error there, such as a caching allocator's new segment),
-so that the size is not tried again at each; one in a measuring attempt, whose cache the pieces
-of other sizes shaped, is forgotten. A kept failure goes when a measurement contradicts it, or
-when memory per microbatch falls.
+so that the size is not tried again at each. One in a measuring attempt, whose cache the pieces
+of other sizes shaped, moves up instead: at each narrowing that no measurement contradicted it,
+the size it bounds from moves one unit past it, then three, seven, ... (the distance doubled and
+one more), so that the size that failed is tried once more in a planned attempt before any larger
+one, and sizes past it one narrowing at a time; once the distance passes the size it failed at,
+it is forgotten. A kept failure goes when a measurement contradicts it, or when memory per
+microbatch falls.
 
 The model plans only once its line has a slope from measurements (:attr:`MemoryModel.ready`: two
 sizes of later microbatches ``SPREAD`` or more apart): a line through the origin takes the bytes every
@@ -72,12 +76,13 @@ __all__ = ["RECOVER_AFTER", "SPREAD", "MemoryModel", "check_margin", "format_byt
 
 logger = logging.getLogger("elastic_batches.memory_model")  # the name it logged under before the subpackage
 
-_STATE_VERSION = 3
+_STATE_VERSION = 4
 _STATE_KEYS_V1 = frozenset(
     {"version", "unit", "base_margin", "margin", "retained", "later", "first", "failures", "wrong", "enabled"}
 )
 _STATE_KEYS_V2 = _STATE_KEYS_V1 | {"calm", "recover_after", "probation"}  # version 2: the margin narrows back
-_STATE_KEYS = _STATE_KEYS_V2 | {"kept"}  # version 3: failures of planned attempts kept at narrowings
+_STATE_KEYS_V3 = _STATE_KEYS_V2 | {"kept"}  # version 3: failures of planned attempts kept at narrowings
+_STATE_KEYS = _STATE_KEYS_V3 | {"moved"}  # version 4: failures of measuring attempts move up at narrowings
 _SIZES = 16  # increments kept, one per size
 _LARGEST = 1 << 62  # no microbatch is larger
 _FIRSTS = 4  # first microbatches' increments kept
@@ -170,6 +175,7 @@ class MemoryModel:
         self._first: dict[int, int] = {}
         self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
         self._kept: set[int] = set()  # sizes of failures in planned attempts: kept at narrowings unless contradicted
+        self._moved: dict[int, int] = {}  # size -> the size a measuring attempt's failure was at, before narrowings
         self._forward: dict[int, int] = {}  # size -> bytes a microbatch after the first held when its forward ended
         self._spread = False  # the line's slope comes from sizes SPREAD apart (else: through the origin)
 
@@ -343,14 +349,14 @@ class MemoryModel:
         if fell:  # the failures bound a larger need than there is now (when it grew, they still hold)
             self._failures.clear()
             self._kept.clear()
+            self._moved.clear()
         points.pop(size, None)
         points[size] = increment
         while len(points) > (_FIRSTS if first else _SIZES):
             points.pop(next(iter(points)))
         if not first:  # a failure that a larger microbatch contradicts no longer holds
             for failed in [s for s, free in self._failures.items() if s <= size and free >= increment]:
-                del self._failures[failed]
-                self._kept.discard(failed)
+                self._forget(failed)
         self._fit()
 
     def _expected(self, size: int) -> float:
@@ -377,22 +383,20 @@ class MemoryModel:
         wrong: it had predicted that the microbatch fits in ``free`` (then the margin widens);
         a failure it predicted (the capacity shrank after the plan) changes only the fit.
         ``measuring``: the attempt was measuring (its pieces of other sizes shaped the cache), so
-        the failure is forgotten at the next narrowing; one of a planned attempt is kept then,
-        unless a measurement contradicts it.
+        the failure moves up at each narrowing (see :meth:`calm_batch`); one of a planned attempt
+        is kept then, unless a measurement contradicts it.
         """
         if first:  # the first microbatch's peak is bounded by the whole attempt's: retained + increment
             need, bound = self.predict(size), free - (self.retained or 0)
         else:
             need, bound = self.increment(size), free
         wrong = self.enabled and bool(self._later or self._first) and need <= free
-        self._failures.pop(size, None)
+        self._forget(size)
         self._failures[size] = max(0, int(bound))
-        if measuring:
-            self._kept.discard(size)
-        else:
+        if not measuring:
             self._kept.add(size)
         while len(self._failures) > _FAILURES:
-            self._kept.discard(self._failures.pop(next(iter(self._failures))))
+            self._forget(next(iter(self._failures)))
         self._fit()
         if wrong:
             self.widen(f"a microbatch of {size} {self.unit} ran out of memory where it predicted {format_bytes(need)}")
@@ -405,7 +409,11 @@ class MemoryModel:
         prediction less and forgets the failures learned, so that memory that came back after a
         spike is planned with again; but not those of planned attempts that no measurement
         contradicts (beyond every size that fitted: the model's own error there), which would
-        otherwise run out of memory again at every narrowing.
+        otherwise run out of memory again at every narrowing. One of a measuring attempt that no
+        measurement contradicts moves up (one unit past its size, then three, seven, ...; forgotten
+        once that distance passes its size): a planned attempt tries the size that failed before
+        any larger, so a size that does not fit costs one OOM, not one for each size between it and
+        the line's.
 
         Example:
             >>> from elastic_batches.memory import RECOVER_AFTER, MemoryModel
@@ -430,12 +438,16 @@ class MemoryModel:
         self.wrong = max(0, self.wrong - 1)
         self.margin = max(self.base_margin, self.margin / 2)
         for size in forgotten:
-            del self._failures[size]
-            self._kept.discard(size)
+            contradicted = size in self._kept or self._contradicted(size, self._failures[size])
+            origin, free = self._moved.get(size, size), self._failures[size]
+            self._forget(size)
+            moved = 2 * size - origin + 1  # one unit past it, then the distance doubled and one more
+            if not contradicted and moved - origin <= origin and moved not in self._failures:
+                self._failures[moved], self._moved[moved] = free, origin
         self._fit()
         kept = ""
         if self._failures:
-            kept = f", {len(self._failures)} of planned attempts beyond every size that fitted kept"
+            kept = f", {len(self._failures)} kept or moved up"
         logger.info(
             "memory model: %d batches without an OOM: margin %.0f%% -> %.0f%%, the failures learned forgotten%s",
             self.recover_after,
@@ -443,6 +455,12 @@ class MemoryModel:
             100 * self.margin,
             kept,
         )
+
+    def _forget(self, size: int) -> None:
+        """Drop the failure at ``size`` (if any), with what it was kept or moved for."""
+        self._failures.pop(size, None)
+        self._kept.discard(size)
+        self._moved.pop(size, None)
 
     def _contradicted(self, size: int, free: int) -> bool:
         """Whether a later microbatch of ``size`` or larger was measured to need no more than ``free`` bytes."""
@@ -509,6 +527,7 @@ class MemoryModel:
             "first": [[s, y] for s, y in self._first.items()],
             "failures": [[s, y] for s, y in self._failures.items()],
             "kept": sorted(self._kept),
+            "moved": [[s, origin] for s, origin in self._moved.items()],
             "wrong": self.wrong,
             "enabled": self.enabled,
             "calm": self.calm,
@@ -530,9 +549,11 @@ class MemoryModel:
             state = {**state, "calm": 0, "recover_after": RECOVER_AFTER, "probation": False}
         elif state.get("version") == 2:  # written before failures of planned attempts were kept
             check_state_dict("MemoryModel", state, _STATE_KEYS_V2, 2)
+        elif state.get("version") == 3:  # written before failures of measuring attempts moved up
+            check_state_dict("MemoryModel", state, _STATE_KEYS_V3, 3)
         else:
             check_state_dict("MemoryModel", state, _STATE_KEYS, _STATE_VERSION)
-        state = {"kept": [], **state}
+        state = {"kept": [], "moved": [], **state}
         fields = StateFields("MemoryModel", state, source="MemoryModel.state_dict() (or SplitController.state_dict())")
         if state["unit"] != self.unit:
             raise fields.error("unit", f"{self.unit!r} (the controller's unit)")
@@ -550,6 +571,17 @@ class MemoryModel:
         failed = {pair[0] for pair in state["failures"]}
         if not isinstance(kept, (list, tuple)) or not all(is_int(s) and s in failed for s in kept):
             raise fields.error("kept", "a list of sizes in state['failures']")
+        moved = state["moved"]
+        if not isinstance(moved, (list, tuple)) or not all(
+            isinstance(p, (list, tuple))
+            and len(p) == 2
+            and all(map(is_int, p))
+            and p[0] in failed
+            and p[0] not in kept
+            and 1 <= p[1] < p[0]
+            for p in moved
+        ):
+            raise fields.error("moved", "a list of [size in state['failures'] and not kept, 1 <= origin < size] pairs")
         for key, low in (("wrong", 0), ("calm", 0), ("recover_after", 1)):
             fields.int(key, low=low)
         fields.bool("enabled")
@@ -560,6 +592,7 @@ class MemoryModel:
         self._first = {s: y for s, y in state["first"]}
         self._failures = {s: y for s, y in state["failures"]}
         self._kept = set(kept)
+        self._moved = {s: origin for s, origin in moved}
         self.wrong = state["wrong"]
         self.enabled = state["enabled"]
         self.calm, self.recover_after, self.probation = state["calm"], state["recover_after"], state["probation"]
