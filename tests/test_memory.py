@@ -179,6 +179,15 @@ def test_a_measuring_attempt_s_failure_moves_up_one_narrowing_at_a_time_then_is_
     assert model.largest(MemoryReading(0, 10_000), margin=0.0) == 90
 
 
+def test_a_moved_failure_goes_when_its_own_size_fits_as_after_a_spike() -> None:
+    model = _linear(MemoryModel(0.05), fixed=1000, per_unit=100, sizes=[1, 10, 20])
+    model.observe_failure(30, free=4500, first=False, measuring=True)
+    _narrow(model)
+    assert model.failed_at(31)
+    model.observe(30, 4000, first=False)  # the size that failed fits in less than was free then: a moment's spike
+    assert not model.failed_at(99) and model.largest(MemoryReading(0, 10_000), margin=0.0) == 90
+
+
 def test_a_moved_failure_that_a_planned_attempt_fails_below_leaves_the_planned_failure_kept() -> None:
     model = _linear(MemoryModel(0.05), fixed=1000, per_unit=100, sizes=[1, 10, 20])
     model.observe_failure(30, free=4500, first=False, measuring=True)

@@ -527,6 +527,22 @@ def test_memory_that_grows_back_after_a_spike_is_used_again_within_the_stated_ba
     assert run.controller.memory is not None and run.controller.memory.margin == pytest.approx(0.05)
 
 
+def test_memory_after_a_spike_in_the_first_batch_s_measuring_attempt_is_used_again_within_the_stated_batches() -> None:
+    from elastic_batches.memory import RECOVER_AFTER
+
+    limit = _limit(2)
+    fewest = _fewest(_model(), _batch(), limit)
+    run = Run(limit)
+    with inject_oom(run.model, phase="forward", calls=3) as oom:  # the ramp's fourth piece (8 rows): a moment's spike
+        run.backward(_batch())
+    assert oom.fired == 1 and max(run.rows[0]) < 8
+    for _ in range(RECOVER_AFTER + 4):
+        run.backward(_batch())
+    # at the narrowing the size that failed is tried again, fits, and the failure goes: the batch after plans freely
+    assert len(run.rows[-1]) <= max(fewest + 1, math.floor(1.1 * fewest))
+    assert run.budget.oom_count == 0 and run.controller.oom_count == 1
+
+
 def test_a_size_past_a_caching_allocator_s_segment_is_not_tried_again_at_every_narrowing_of_the_margin() -> None:
     from elastic_batches.memory import RECOVER_AFTER
 

@@ -48,12 +48,12 @@ that wait (up to 64 times). Kept at narrowings: a failure in an attempt planned 
 no measurement contradicts (no microbatch of its size or larger fitted in what was free when it
 failed: not a spike but the model's own error there, such as a caching allocator's new segment),
 so that the size is not tried again at each. One in a measuring attempt, whose cache the pieces
-of other sizes shaped, moves up instead: at each narrowing that no measurement contradicted it,
-the size it bounds from moves one unit past it, then three, seven, ... (the distance doubled and
-one more), so that the size that failed is tried once more in a planned attempt before any larger
-one, and sizes past it one narrowing at a time; once the distance passes the size it failed at,
-it is forgotten. A kept failure goes when a measurement contradicts it, or when memory per
-microbatch falls.
+of other sizes shaped, moves up instead: at each narrowing, the size it bounds from moves one
+unit past the size that failed, then three, seven, ... (the distance doubled and one more), so
+that a planned attempt tries the size that failed again before any larger one; once that size (or
+a larger one) fits in what was free when it failed (a spike, or the ramp's fragmentation), or the
+distance passes the size, it is forgotten. A kept failure goes when a measurement contradicts it,
+or when memory per microbatch falls.
 
 The model plans only once its line has a slope from measurements (:attr:`MemoryModel.ready`: two
 sizes of later microbatches ``SPREAD`` or more apart): a line through the origin takes the bytes every
@@ -355,7 +355,9 @@ class MemoryModel:
         while len(points) > (_FIRSTS if first else _SIZES):
             points.pop(next(iter(points)))
         if not first:  # a failure that a larger microbatch contradicts no longer holds
-            for failed in [s for s, free in self._failures.items() if s <= size and free >= increment]:
+            for failed in [
+                s for s, free in self._failures.items() if self._moved.get(s, s) <= size and free >= increment
+            ]:
                 self._forget(failed)
         self._fit()
 
@@ -411,9 +413,9 @@ class MemoryModel:
         contradicts (beyond every size that fitted: the model's own error there), which would
         otherwise run out of memory again at every narrowing. One of a measuring attempt that no
         measurement contradicts moves up (one unit past its size, then three, seven, ...; forgotten
-        once that distance passes its size): a planned attempt tries the size that failed before
-        any larger, so a size that does not fit costs one OOM, not one for each size between it and
-        the line's.
+        once that distance passes its size, or once its own size fits): a planned attempt tries the
+        size that failed before any larger, so where it does not fit it costs one OOM, not one for
+        each size between it and the line's.
 
         Example:
             >>> from elastic_batches.memory import RECOVER_AFTER, MemoryModel
@@ -463,8 +465,10 @@ class MemoryModel:
         self._moved.pop(size, None)
 
     def _contradicted(self, size: int, free: int) -> bool:
-        """Whether a later microbatch of ``size`` or larger was measured to need no more than ``free`` bytes."""
-        return any(measured >= size and increment <= free for measured, increment in self._later.items())
+        """Whether a later microbatch of ``size`` or larger (of the size a moved failure was at) was measured to need
+        no more than ``free`` bytes."""
+        origin = self._moved.get(size, size)
+        return any(measured >= origin and increment <= free for measured, increment in self._later.items())
 
     def widen(self, why: str) -> None:
         """An OOM the model did not predict: keep more of the capacity free; after four, predict nothing."""
