@@ -440,11 +440,11 @@ class MemoryModel:
         self.wrong = max(0, self.wrong - 1)
         self.margin = max(self.base_margin, self.margin / 2)
         for size in forgotten:
-            contradicted = size in self._kept or self._contradicted(size, self._failures[size])
-            origin, free = self._moved.get(size, size), self._failures[size]
+            free, origin = self._failures[size], self._moved.get(size, size)
+            moves = size not in self._kept and not self._contradicted(size, free)  # a measuring attempt's, still held
             self._forget(size)
             moved = 2 * size - origin + 1  # one unit past it, then the distance doubled and one more
-            if not contradicted and moved - origin <= origin and moved not in self._failures:
+            if moves and moved - origin <= origin and moved not in self._failures:
                 self._failures[moved], self._moved[moved] = free, origin
         self._fit()
         kept = ""
