@@ -41,9 +41,9 @@ whose activations are MiB-sized (so that segment sizes matter), ``--model gradie
 ``--model activations`` on an MLP 8-1024-1 whose peak is mostly activations (bytes per row), each on
 batches of 128 and 512 rows; ``--lm-only`` skips the first two tables. With a predictor, the
 table also counts the runs whose margin grew (an OOM the memory model did not predict).
-``--long`` runs the predicted policy alone, 40 steps a case (three narrowings of a widened margin,
-after 8, 16 and 32 calm batches), and counts the OOMs after its first step and the steps they
-happened in.
+``--long`` runs the predicted policy alone, 40 steps a case (three narrowings of a widened margin
+or more: after 8 calm batches, 16 and 32 after an OOM soon after one), and counts the OOMs after its
+first step and the steps they happened in.
 
 Run: ``python benchmarks/search_quality.py`` (no timing involved: the numbers are exact;
 ``ELASTIC_BATCHES_BENCH_QUICK=1``: fewer steps, counts and, for the tiny LM, batches of 16 and 256 only).
@@ -301,7 +301,7 @@ LM = DemoConfig(seq_len=16, vocab_size=48, dim=32, heads=2, layers=1)
 LM_BATCHES = (16, 256) if QUICK else (16, 100, 256, 1000)
 LM_COUNTS = (1, 2, 3, 6, 16, 40) if QUICK else (1, 2, 3, 4, 6, 10, 16, 40, 100)
 LM_STEPS = 5 if QUICK else 6
-LONG_STEPS = 5 * RECOVER_AFTER  # --long: three narrowings of a widened margin (after 8, 16 and 32 calm batches)
+LONG_STEPS = 5 * RECOVER_AFTER  # --long: three narrowings of a widened margin or more
 ALLOCATOR = "exact"  # --allocator: the MemoryBudget's allocator model
 # --model heavy: activations of MiB (a batch of 64 holds 4 MiB per activation), where segment sizes matter
 HEAVY = DemoConfig(seq_len=128, vocab_size=64, dim=128, heads=2, layers=1)

@@ -175,7 +175,7 @@ def test_a_measuring_attempt_s_failure_moves_up_one_narrowing_at_a_time_then_is_
         bounds.append(next((size for size in range(1, 100) if model.failed_at(size)), None))
     # one unit past 30 (30 tried again before any larger), then the distance doubled and one more; past 30 forgotten
     assert bounds == [31, 33, 37, 45, None]
-    # plenty free: each narrowing plans no further than just below the size it bounds from
+    # forgotten: with plenty free the line alone plans, 1000 + 100 * 90
     assert model.largest(MemoryReading(0, 10_000), margin=0.0) == 90
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import elastic_batches as eb
-from elastic_batches.memory import MemoryProbe, MemoryReading
+from elastic_batches.memory import RECOVER_AFTER, MemoryProbe, MemoryReading
 from elastic_batches.testing import MemoryBudget, inject_oom
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -502,8 +502,6 @@ def test_a_batch_that_fits_whole_runs_whole_once_the_model_predicts_it() -> None
 
 
 def test_memory_that_grows_back_after_a_spike_is_used_again_within_the_stated_batches() -> None:
-    from elastic_batches.memory import RECOVER_AFTER
-
     limit = _limit(4)
     fewest = _fewest(_model(), _batch(), limit)
     run = Run(limit)
@@ -528,8 +526,6 @@ def test_memory_that_grows_back_after_a_spike_is_used_again_within_the_stated_ba
 
 
 def test_memory_after_a_spike_in_the_first_batch_s_measuring_attempt_is_used_again_within_the_stated_batches() -> None:
-    from elastic_batches.memory import RECOVER_AFTER
-
     limit = _limit(2)
     fewest = _fewest(_model(), _batch(), limit)
     run = Run(limit)
@@ -544,8 +540,6 @@ def test_memory_after_a_spike_in_the_first_batch_s_measuring_attempt_is_used_aga
 
 
 def test_a_size_past_a_caching_allocator_s_segment_is_not_tried_again_at_every_narrowing_of_the_margin() -> None:
-    from elastic_batches.memory import RECOVER_AFTER
-
     # 8 MiB of a caching allocator: 64 rows of 4096 floats make a 1 MiB activation, from the small pool; from 65 rows
     # it needs a 20 MiB segment, which never fits. The measured line cannot see that jump.
     budget = MemoryBudget(8 << 20, allocator="caching")

@@ -175,7 +175,7 @@ class MemoryModel:
         self._first: dict[int, int] = {}
         self._failures: dict[int, int] = {}  # size -> bytes that were free when a microbatch of that size failed
         self._kept: set[int] = set()  # sizes of failures in planned attempts: kept at narrowings unless contradicted
-        self._moved: dict[int, int] = {}  # size -> the size a measuring attempt's failure was at, before narrowings
+        self._moved: dict[int, int] = {}  # size it bounds from -> size that failed, for a measuring attempt's failure
         self._forward: dict[int, int] = {}  # size -> bytes a microbatch after the first held when its forward ended
         self._spread = False  # the line's slope comes from sizes SPREAD apart (else: through the origin)
 
@@ -355,9 +355,7 @@ class MemoryModel:
         while len(points) > (_FIRSTS if first else _SIZES):
             points.pop(next(iter(points)))
         if not first:  # a failure that a larger microbatch contradicts no longer holds
-            for failed in [
-                s for s, free in self._failures.items() if self._moved.get(s, s) <= size and free >= increment
-            ]:
+            for failed in [s for s, free in self._failures.items() if self._contradicts(s, free, size, increment)]:
                 self._forget(failed)
         self._fit()
 
@@ -428,7 +426,8 @@ class MemoryModel:
         """
         if self.probation and self.calm + 1 >= self.recover_after:
             self.probation, self.recover_after = False, RECOVER_AFTER  # the narrowing held
-        forgotten = [s for s, free in self._failures.items() if s not in self._kept or self._contradicted(s, free)]
+        held = {s for s, free in self._failures.items() if not self._contradicted(s, free)}
+        forgotten = [s for s in self._failures if s not in self._kept or s not in held]  # moved up, or gone
         if self.wrong == 0 and not forgotten:
             self.calm = 0
             return
@@ -441,10 +440,9 @@ class MemoryModel:
         self.margin = max(self.base_margin, self.margin / 2)
         for size in forgotten:
             free, origin = self._failures[size], self._moved.get(size, size)
-            moves = size not in self._kept and not self._contradicted(size, free)  # a measuring attempt's, still held
             self._forget(size)
             moved = 2 * size - origin + 1  # one unit past it, then the distance doubled and one more
-            if moves and moved - origin <= origin and moved not in self._failures:
+            if size in held and moved - origin <= origin and moved not in self._failures:  # a measuring attempt's
                 self._failures[moved], self._moved[moved] = free, origin
         self._fit()
         kept = ""
@@ -464,11 +462,14 @@ class MemoryModel:
         self._kept.discard(size)
         self._moved.pop(size, None)
 
-    def _contradicted(self, size: int, free: int) -> bool:
-        """Whether a later microbatch of ``size`` or larger (of the size a moved failure was at) was measured to need
-        no more than ``free`` bytes."""
-        origin = self._moved.get(size, size)
-        return any(measured >= origin and increment <= free for measured, increment in self._later.items())
+    def _contradicts(self, failed: int, free: int, size: int, increment: int) -> bool:
+        """Whether a later microbatch of ``size`` that took ``increment`` bytes contradicts the failure at ``failed``
+        with ``free`` bytes free: as large (as the size that failed, for a moved failure), in no more bytes."""
+        return size >= self._moved.get(failed, failed) and increment <= free
+
+    def _contradicted(self, failed: int, free: int) -> bool:
+        """Whether a measured later microbatch contradicts the failure at ``failed`` (see :meth:`_contradicts`)."""
+        return any(self._contradicts(failed, free, size, increment) for size, increment in self._later.items())
 
     def widen(self, why: str) -> None:
         """An OOM the model did not predict: keep more of the capacity free; after four, predict nothing."""
