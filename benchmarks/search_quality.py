@@ -36,11 +36,14 @@ until settled in at least 90% of the cases and at most 1 in every case; settled 
 ``--allocator caching`` (or ``expandable``) runs the third table under the caching-allocator
 simulation (``MemoryBudget(allocator=...)``: limits, peaks and the probe's capacity are then in
 reserved bytes, segments and their unused ends included), and ``--model heavy`` on a transformer
-whose activations are MiB-sized (so that segment sizes matter), ``--model gradients`` on an MLP
-8-128-128-1 whose peak is mostly the gradient being accumulated (bytes per microbatch) and
-``--model activations`` on an MLP 8-1024-1 whose peak is mostly activations (bytes per row), each on
-batches of 128 and 512 rows; ``--lm-only`` skips the first two tables. With a predictor, the
-table also counts the runs whose margin grew (an OOM the memory model did not predict).
+whose activations are MiB-sized (so that segment sizes matter), ``--model large`` on a wider one
+(sequence 512, width 256: tensors of 2 MiB a row, so that most blocks have segments of their own
+and limits run from 44 to 821 MiB; about 4 minutes with ``ELASTIC_BATCHES_BENCH_QUICK=1``),
+``--model gradients`` on an MLP 8-128-128-1 whose peak is mostly the gradient being accumulated
+(bytes per microbatch) and ``--model activations`` on an MLP 8-1024-1 whose peak is mostly
+activations (bytes per row), each on batches of 128 and 512 rows; ``--lm-only`` skips the first
+two tables. With a predictor, the table also counts the runs whose margin grew (an OOM the memory
+model did not predict).
 ``--long`` runs the predicted policy alone, 40 steps a case (three narrowings of a widened margin
 or more: after 8 calm batches, 16 and 32 after an OOM soon after one), and counts the OOMs after its
 first step and the steps they happened in.
@@ -307,6 +310,8 @@ ALLOCATOR = "exact"  # --allocator: the MemoryBudget's allocator model
 HEAVY = DemoConfig(seq_len=128, vocab_size=64, dim=128, heads=2, layers=1)
 HEAVY_BATCHES = (16, 64)
 HEAVY_COUNTS = (1, 2, 3, 4, 8) if QUICK else (1, 2, 3, 4, 6, 8, 16)
+# --model large: tensors of 2 MiB a row (16 MiB at 8 rows), most blocks in segments of their own
+LARGE = DemoConfig(seq_len=512, vocab_size=64, dim=256, heads=2, layers=1)
 WIDENED: list[int] = []  # per predicted run: 1 if its margin grew
 
 
@@ -347,7 +352,7 @@ def _lm(rows: int) -> tuple[torch.nn.Module, ElasticBatch]:
 def _workload() -> str:
     if WIDTHS is not None:
         return f"MLP {'-'.join(map(str, WIDTHS))}"
-    return f"{'memory-heavy' if LM is HEAVY else 'tiny'} transformer LM"
+    return f"{'memory-heavy' if LM is HEAVY else 'large' if LM is LARGE else 'tiny'} transformer LM"
 
 
 def _peaks(rows: int) -> Callable[[int], int]:
@@ -529,13 +534,15 @@ def long_main() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allocator", choices=["exact", "caching", "expandable"], default="exact")
-    parser.add_argument("--model", choices=["tiny", "heavy", *MLPS], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "heavy", "large", *MLPS], default="tiny")
     parser.add_argument("--lm-only", action="store_true", help="skip the size-oracle tables")
     parser.add_argument("--long", action="store_true", help=f"only the predicted policy, {LONG_STEPS} steps a case")
     args = parser.parse_args()
     ALLOCATOR = args.allocator
     if args.model == "heavy":
         LM, LM_BATCHES, LM_COUNTS = HEAVY, HEAVY_BATCHES, HEAVY_COUNTS
+    elif args.model == "large":
+        LM, LM_BATCHES, LM_COUNTS = LARGE, HEAVY_BATCHES, HEAVY_COUNTS
     elif args.model in MLPS:
         WIDTHS, LM_BATCHES, LM_COUNTS = MLPS[args.model], MLP_BATCHES, MLP_COUNTS
     if args.long:
