@@ -23,8 +23,11 @@ The checks, per allocator:
 4. **The user's peak statistics.** A peak of the user's before a probed step is still what
    ``max_memory_allocated()`` reports after it.
 5. **Memory taken by another process after the plan.** Another process (on the stand-in, the
-   stand-in's ``take_by_another_process``) takes part of the cap after the count settled; the
-   next steps adapt without ``ElasticOOMError`` and end with no OOM.
+   stand-in's ``take_by_another_process``) takes the device's free memory after the count
+   settled, all but what leaves this process a fifth less than its cap (another process takes
+   the device's memory, not this one's fraction: on a large GPU a small amount taken would
+   change nothing); the probe's capacity falls, and the next steps adapt without
+   ``ElasticOOMError`` and end with no OOM.
 6. **Disguised OOMs.** With the device filled to within a few MiB, a first matmul (cuBLAS
    creates its handle and workspace), a first convolution (cuDNN) and a one-rank group's first
    all-reduce (NCCL makes its communicator and buffers; gloo on the stand-in): the error's type,
@@ -281,8 +284,10 @@ def _predicted(dev: Device, sizes: Sizes) -> dict[str, Any]:
     step.backward(batch, watch.loss_fn)
     model.zero_grad(set_to_none=True)
     peak_after = int(module.max_memory_allocated(index))
-    # check 5: another process takes a fifth of the cap after the plan settled
-    with _another_process(dev, (cap - rest) // 5):
+    # check 5: another process takes the device's free memory but what leaves this one a fifth less than its cap
+    capacity_before = probe.memory_reading().capacity
+    with _another_process(dev, cap - int(module.memory_reserved(index)) - (cap - rest) // 5):
+        capacity_then = probe.memory_reading().capacity
         before = controller.oom_count
         for _ in range(4):
             step.backward(batch, watch.loss_fn)
@@ -300,6 +305,8 @@ def _predicted(dev: Device, sizes: Sizes) -> dict[str, Any]:
         "slack_at_ooms": watch.slack,
         "user_peak": user_peak,
         "user_peak_after_step": peak_after,
+        "capacity_before_another_process": capacity_before,
+        "capacity_with_another_process": capacity_then,
         "ooms_after_another_process": taken_ooms,
         "ooms_in_the_last_step_then": taken_last,
         "model": controller.memory.describe() if controller.memory is not None else "",
@@ -411,18 +418,20 @@ def _throughput(dev: Device, sizes: Sizes, steps: int = 3) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _hold(nbytes: int, ready: Any, done: Any) -> None:  # pragma: no cover (a GPU child process)
-    held = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def _hold(left: int, ready: Any, done: Any) -> None:  # pragma: no cover (a GPU child process)
+    free, _ = torch.cuda.mem_get_info()  # after this process's own context took its share
+    held = torch.empty(max(0, free - left), dtype=torch.uint8, device="cuda")
     ready.set()
     done.wait()
     del held
 
 
 @contextlib.contextmanager
-def _another_process(dev: Device, nbytes: int) -> Iterator[None]:
-    """Another process holds ``nbytes`` of the device inside the block."""
+def _another_process(dev: Device, left: int) -> Iterator[None]:
+    """Inside the block another process holds the device's free memory, all but ``left`` bytes."""
     if dev.module is not torch.cuda:
-        dev.module.take_by_another_process(nbytes)
+        free, _ = dev.module.mem_get_info(dev.index)
+        dev.module.take_by_another_process(dev.module.other_process_bytes + max(0, free - left))
         try:
             yield
         finally:
@@ -432,7 +441,7 @@ def _another_process(dev: Device, nbytes: int) -> Iterator[None]:
 
     context = multiprocessing.get_context("spawn")
     ready, done = context.Event(), context.Event()
-    child = context.Process(target=_hold, args=(nbytes, ready, done))
+    child = context.Process(target=_hold, args=(left, ready, done))
     child.start()
     ready.wait(60)
     try:
@@ -499,8 +508,9 @@ _FAILED_RETRIED: dict[str, Any] = {
 }  # fmt: skip
 _FAILED_PREDICTED: dict[str, Any] = {
     "counts": [], "ooms_until_settled": 99, "ooms_after_settled": 99, "gradient_relative_error": float("inf"),
-    "slack_at_ooms": [], "user_peak": 1, "user_peak_after_step": 0, "ooms_after_another_process": -1,
-    "ooms_in_the_last_step_then": 99, "model": "",
+    "slack_at_ooms": [], "user_peak": 1, "user_peak_after_step": 0, "capacity_before_another_process": 0,
+    "capacity_with_another_process": 0, "ooms_after_another_process": -1, "ooms_in_the_last_step_then": 99,
+    "model": "",
 }  # fmt: skip
 
 
@@ -546,7 +556,11 @@ def run_checks(dev: Device, sizes: Sizes, allocator: str) -> tuple[dict[str, boo
         "predicted: no OOM after settling": predicted["ooms_after_settled"] == 0,
         f"predicted: gradient within {RTOL:g}": predicted["gradient_relative_error"] <= RTOL,
         "user's peak kept after a probed step": predicted["user_peak_after_step"] >= predicted["user_peak"],
-        "memory taken by another process: adapted, last step without OOM": predicted["ooms_in_the_last_step_then"] == 0,
+        "memory taken by another process: capacity fell, adapted, last step without OOM": predicted[
+            "capacity_with_another_process"
+        ]
+        < predicted["capacity_before_another_process"]
+        and predicted["ooms_in_the_last_step_then"] == 0,
         "disguised OOMs taken for OOMs, NCCL's own named": all(row[3] != "False" for row in disguised),
         f"one-rank DDP: OOM voted, retried, gradient within {RTOL:g}": ddp["ooms"] >= 1
         and ddp["gradient_relative_error"] <= RTOL,
@@ -572,7 +586,9 @@ def run_checks(dev: Device, sizes: Sizes, allocator: str) -> tuple[dict[str, boo
          f"{predicted['ooms_until_settled']} / {predicted['ooms_after_settled']}"],
         [allocator, "user's peak before / reported after a probed step (MiB)",
          f"{predicted['user_peak'] / mib:.1f} / {predicted['user_peak_after_step'] / mib:.1f}"],
-        [allocator, "another process took a fifth: OOMs, then in the last step",
+        [allocator, "another process took memory: capacity before / then (MiB), OOMs, then in the last step",
+         f"{predicted['capacity_before_another_process'] / mib:.0f} / "
+         f"{predicted['capacity_with_another_process'] / mib:.0f}, "
          f"{predicted['ooms_after_another_process']}, {predicted['ooms_in_the_last_step_then']}"],
     ]  # fmt: skip
     rows += [

@@ -83,14 +83,46 @@ def test_fragmentation_runs_out_of_memory_with_fewer_live_bytes_than_the_limit()
     assert budget.oom_count == 1
 
 
-def test_expandable_segments_do_not_fragment_across_segments() -> None:
+@pytest.mark.parametrize(("allocator", "fits"), [("caching", False), ("expandable", True)])
+def test_expandable_segments_merge_free_neighbours_across_what_were_segments(allocator: str, fits: bool) -> None:
+    budget = MemoryBudget(limit_bytes=40 * MiB, allocator=allocator)
+    with budget:
+        blocks = [_mib(3) for _ in range(12)]  # caching: blocks 0-5 in one 20 MiB segment, 6-11 in another
+        del blocks[3:9]  # 18 MiB free in a row; caching: 11 MiB at the end of one segment, 9 at the next one's start
+        try:
+            x = _mib(12)
+        except torch.OutOfMemoryError:
+            x = None
+    assert (x is not None) is fits and budget.reserved_bytes == 40 * MiB
+    del x, blocks
+
+
+def test_expandable_pages_are_2_mib_in_the_small_pool_and_20_mib_in_the_large() -> None:
+    budget = MemoryBudget(allocator="expandable")
+    with budget:
+        small = torch.empty(1024)  # 4 KiB: one 2 MiB page of the small pool
+        assert budget.reserved_bytes == 2 * MiB
+        large = _mib(3)  # the large pool maps 20 MiB at a time, as its ExpandableSegment does
+        assert budget.reserved_bytes == 22 * MiB
+        more = _mib(18)  # 21 MiB of the large range: a second page
+        assert budget.reserved_bytes == 42 * MiB
+        del large
+    budget.empty_cache()  # both large pages still hold a live block: only the small page's is free, and it is live
+    assert budget.reserved_bytes == 42 * MiB
+    del more, small
+    budget.empty_cache()
+    assert budget.reserved_bytes == 0
+
+
+def test_expandable_segments_keep_the_holes_between_live_blocks() -> None:
     budget = MemoryBudget(limit_bytes=40 * MiB, allocator="expandable")
     with budget:
-        blocks = [_mib(3) for _ in range(12)]
-        del blocks[::2]
-        x = _mib(12)  # the holes' whole pages are given back, the range grows by what it needs
-    assert budget.oom_count == 0 and budget.reserved_bytes <= 40 * MiB
-    del x, blocks
+        blocks = [_mib(3) for _ in range(12)]  # 36 MiB of the large range: two 20 MiB pages
+        del blocks[::2]  # 18 MiB free, in 3 MiB holes between live blocks: both pages still hold one
+        with pytest.raises(torch.OutOfMemoryError):
+            _mib(12)  # at the range's end: a third page, past the limit
+    assert budget.live_bytes == 18 * MiB
+    del blocks
 
 
 def test_cached_segments_are_released_and_the_allocation_tried_again_before_an_oom() -> None:

@@ -422,6 +422,27 @@ def test_the_stand_in_refuses_a_device_without_an_index_where_cuda_does() -> Non
     assert cuda.memory_allocated(torch.device("cuda")) == 0  # the statistics take the current device
 
 
+@pytest.mark.parametrize(
+    ("taken_mib", "capacity_mib"), [(0, 32), (16, 32), (40, 24)], ids=["none", "16-MiB-of-32-free", "40-MiB"]
+)
+def test_another_process_takes_the_device_free_memory_not_this_process_fraction(
+    taken_mib: int, capacity_mib: int
+) -> None:
+    cuda = StandInCuda(64 << 20)
+    cuda.set_per_process_memory_fraction(0.5, 0)  # 32 MiB for this process, of 64
+    probe = AcceleratorProbe(torch.device("cuda", 0), module=cuda)
+    with cuda.budget:
+        held = torch.empty(12 << 18)  # 12 MiB: a segment of its own
+    cuda.take_by_another_process(taken_mib << 20)
+    assert cuda.mem_get_info()[0] == (64 - 12 - taken_mib) << 20
+    assert probe.memory_reading() == (12 << 20, capacity_mib << 20)  # reserved + free, within the fraction
+    with cuda.budget:  # the budget runs out where CUDA would: at the capacity the probe reports
+        more = torch.empty((capacity_mib - 12) << 18)  # the rest of the capacity, in one segment
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1)  # a 2 MiB segment more
+    del held, more
+
+
 @pytest.mark.parametrize("earlier", [0, 8 << 20], ids=["no-earlier-peak", "earlier-8-MiB-peak"])
 @pytest.mark.parametrize("probed", [False, True], ids=["memory-None", "cuda-probe"])
 def test_the_user_peak_statistics_after_a_step_report_the_true_maximum(earlier: int, probed: bool) -> None:

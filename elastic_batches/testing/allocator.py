@@ -13,8 +13,9 @@ The rules are those of PyTorch's ``CUDACachingAllocator`` (``c10/cuda/CUDACachin
   hold no live block are released and the new segment is tried again; only then is it an OOM.
 
 ``allocator="expandable"`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: each
-pool maps 2 MiB pages into one growing address range, so memory freed anywhere can be given
-back page by page and no request fails for fragmentation across segments: an OOM happens only
+pool maps pages into one growing address range (2 MiB pages in the small pool, 20 MiB pages in
+the large one, the sizes its ``ExpandableSegment`` maps), so free neighbours merge across what
+would have been separate segments and memory is given back page by page: an OOM happens only
 when the pages the live blocks touch plus the pages a request needs pass the limit.
 """
 
@@ -32,7 +33,7 @@ _SMALL_SIZE = 1 << 20  # requests up to this come from the small pool
 _SMALL_BUFFER = 2 << 20  # the small pool's segment size
 _LARGE_BUFFER = 20 << 20  # the large pool's segment size for requests under _MIN_LARGE_ALLOC
 _MIN_LARGE_ALLOC = 10 << 20
-_ROUND_LARGE = 2 << 20  # larger requests' segments are rounded up to this (also the expandable page size)
+_ROUND_LARGE = 2 << 20  # larger requests' segments are rounded up to this
 
 
 def round_size(nbytes: int) -> int:
@@ -78,9 +79,15 @@ class _Segment:
     blocks: list[Block] = dataclasses.field(default_factory=list)  # by offset, covering the segment
 
 
-def _pages(offset: int, size: int) -> range:
-    """The 2 MiB pages a range of an expandable segment touches."""
-    return range(offset // _ROUND_LARGE, -(-(offset + size) // _ROUND_LARGE))
+def _page_size(small: bool) -> int:
+    """The pages an expandable segment maps: 2 MiB in the small pool, 20 MiB in the large one."""
+    return _SMALL_BUFFER if small else _LARGE_BUFFER
+
+
+def _pages(offset: int, size: int, small: bool) -> range:
+    """The pages a range of a pool's expandable segment touches."""
+    page = _page_size(small)
+    return range(offset // page, -(-(offset + size) // page))
 
 
 class CachingAllocator:
@@ -187,14 +194,15 @@ class CachingAllocator:
 
     def _map(self, block: Block, limit: int | None) -> bool:
         """Expandable: map the pages ``block`` touches; ``False`` when that would pass ``limit``."""
-        mapped = self._mapped[block.segment.small]
-        new = [page for page in _pages(block.offset, block.size) if page not in mapped]
-        if limit is not None and self.reserved_bytes + len(new) * _ROUND_LARGE > limit:
+        small = block.segment.small
+        mapped, page = self._mapped[small], _page_size(small)
+        new = [index for index in _pages(block.offset, block.size, small) if index not in mapped]
+        if limit is not None and self.reserved_bytes + len(new) * page > limit:
             self.empty_cache()
-            if self.reserved_bytes + len(new) * _ROUND_LARGE > limit:
+            if self.reserved_bytes + len(new) * page > limit:
                 return False
         mapped.update(new)
-        self.reserved_bytes += len(new) * _ROUND_LARGE
+        self.reserved_bytes += len(new) * page
         return True
 
     def free(self, block: Block) -> None:
@@ -225,8 +233,8 @@ class CachingAllocator:
         before = self.reserved_bytes
         if self.expandable:
             for small, segment in self._pools.items():
-                live = {page for b in segment.blocks if b.allocated for page in _pages(b.offset, b.size)}
-                self.reserved_bytes -= (len(self._mapped[small]) - len(live)) * _ROUND_LARGE
+                live = {index for b in segment.blocks if b.allocated for index in _pages(b.offset, b.size, small)}
+                self.reserved_bytes -= (len(self._mapped[small]) - len(live)) * _page_size(small)
                 self._mapped[small] = live
             return before - self.reserved_bytes
         kept = []

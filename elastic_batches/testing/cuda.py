@@ -55,8 +55,10 @@ class StandInCuda:
         device_count: How many devices (``cuda:0`` ... ``cuda:{device_count - 1}``).
 
     Attributes:
-        budgets: Per device, the :class:`MemoryBudget` whose limit is its per-process fraction
-            of ``total_bytes`` less what another process holds there; enter one
+        budgets: Per device, the :class:`MemoryBudget` whose limit is what the caching allocator
+            may reserve there: its per-process fraction of ``total_bytes``, or what another
+            process left of the device, whichever is less (as on CUDA, another process takes
+            the device's free memory, not this process's fraction); enter one
             (``with cuda.budgets[1]:``) around the code that allocates on that device.
         budget: ``budgets[0]``, the current device's.
         other_process_bytes: Bytes another process holds on device 0 (less free memory).
@@ -104,11 +106,24 @@ class StandInCuda:
         return self._other[0]
 
     def _update_limit(self, index: int) -> None:
-        limit = int(self.total_bytes * self._fractions[index]) - self._other[index]
+        # what the caching allocator may reserve: its fraction of the device, and no more than the others left free
+        limit = min(int(self.total_bytes * self._fractions[index]), self.total_bytes - self._other[index])
         self.budgets[index].limit_bytes = max(0, limit)
 
     def take_by_another_process(self, nbytes: int, device: Any = 0) -> None:
-        """Let another process hold ``nbytes`` of ``device`` from now on (0: it let go)."""
+        """Let another process hold ``nbytes`` of ``device`` from now on (0: it let go).
+
+        Example:
+            >>> from elastic_batches.testing import StandInCuda
+            >>> cuda = StandInCuda(64 << 20)
+            >>> cuda.set_per_process_memory_fraction(0.5, 0)  # 32 MiB for this process
+            >>> cuda.take_by_another_process(16 << 20)  # 48 MiB free: the fraction still limits
+            >>> cuda.budget.limit_bytes >> 20, cuda.mem_get_info()[0] >> 20
+            (32, 48)
+            >>> cuda.take_by_another_process(40 << 20)  # 24 MiB free: less than the fraction
+            >>> cuda.budget.limit_bytes >> 20
+            24
+        """
         index = self._at(device)
         self._other[index] = int(nbytes)
         self._update_limit(index)

@@ -152,7 +152,8 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
     2 MiB, freed blocks cached and reused best-fit with splitting, and cached segments released
     before an OOM is raised, so that a fragmented cache can run out of memory with fewer live
     bytes than the limit, as a GPU does. ``allocator="expandable"`` models
-    ``expandable_segments:True`` (2 MiB pages, no fragmentation across segments).
+    ``expandable_segments:True`` (one growing range per pool, mapped in 2 MiB pages in the small
+    pool and 20 MiB pages in the large one: no fragmentation across segments).
     ``reserved_bytes``, ``peak_reserved_bytes`` and :meth:`empty_cache` report and release the
     cache; ``live_bytes`` stays the bytes of live storages (what ``memory_allocated`` reports,
     less the rounding).
