@@ -30,7 +30,8 @@ The checks, per allocator:
    ``ElasticOOMError`` and end with no OOM.
 6. **Disguised OOMs.** With the device filled to within a few MiB, a first matmul (cuBLAS
    creates its handle and workspace), a first convolution (cuDNN) and a one-rank group's first
-   all-reduce (NCCL makes its communicator and buffers; gloo on the stand-in): the error's type,
+   all-reduce (NCCL makes its communicator and buffers; gloo on the stand-in), each in a new
+   thread (the handles are per thread, and the checks before made this thread's): the error's type,
    message and how the step takes it: ``is_oom_error`` must take any allocation failure for an
    OOM, except NCCL's own, which ``is_nccl_oom`` must recognise (raised with its cause, not
    retried: a failed communicator is not safe to reuse).
@@ -57,6 +58,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -466,6 +468,27 @@ def _verdict(err: BaseException) -> str:
     return "NCCL's own: raised, named" if is_nccl_oom(err) else str(is_oom_error(err))
 
 
+def _in_a_new_thread(case: Callable[[], Any]) -> None:
+    """``case()`` in a thread of its own, its error raised here.
+
+    cuBLAS and cuDNN handles are per thread: the checks before made this thread's, and a new
+    thread's first matmul and convolution create theirs on the full device.
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            case()
+        except BaseException as err:  # raised in the caller's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
 def _disguised(dev: Device) -> list[list[str]]:
     """Check 6: a first matmul, a first convolution and a first NCCL all-reduce on a device filled to a few MiB."""
     module, index = dev.module, dev.index
@@ -493,7 +516,7 @@ def _disguised(dev: Device) -> list[list[str]]:
     }  # fmt: skip
     for name, case in cases.items():
         try:
-            case()
+            _in_a_new_thread(case)
             rows.append([name, "no error", "", "-"])
         except Exception as err:
             rows.append([name, type(err).__name__, str(err).splitlines()[0][:90], _verdict(err)])
