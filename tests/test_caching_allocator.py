@@ -211,3 +211,35 @@ def test_prediction_under_a_limit_between_two_segments_settles_without_an_oom() 
     assert budget.oom_count == 0
     assert counts[1:] == [4, 4, 4]  # the fewest that fit: 4 microbatches of 128 rows (512 KiB per activation)
     assert budget.peak_reserved_bytes <= 2 * MiB
+
+
+def _reserved_by_layout(allocator: CachingAllocator) -> int:
+    """The bytes the allocator's layout holds: its segments, or (expandable) its mapped pages."""
+    if not allocator.expandable:
+        return sum(segment.size for segment in allocator._segments)
+    return sum(len(pages) * (2 * MiB if small else 20 * MiB) for small, pages in allocator._mapped.items())
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["caching", "expandable"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_reserved_bytes_are_what_the_layout_holds_through_random_requests(expandable: bool, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    allocator, limit, live = CachingAllocator(expandable=expandable), 64 * MiB, []
+    for _ in range(400):
+        draw = int(torch.randint(10, (1,), generator=generator))
+        if draw < 4 and live:  # free one of the live blocks
+            allocator.free(live.pop(int(torch.randint(len(live), (1,), generator=generator))))
+        elif draw == 4:
+            allocator.empty_cache()
+        else:  # a small (4 KiB-1 MiB), a middle (1-10 MiB) or a large (10-30 MiB) request
+            low, high = [(4 << 10, MiB), (MiB + 1, 10 * MiB - 1), (10 * MiB, 30 * MiB)][draw % 3]
+            block = allocator.malloc(int(torch.randint(low, high, (1,), generator=generator)), limit=limit)
+            if block is not None:
+                live.append(block)
+        assert allocator.reserved_bytes == _reserved_by_layout(allocator) <= limit
+        assert allocator.allocated_bytes == sum(block.size for block in live)
+        if expandable:  # every page a live block touches is mapped
+            for block in live:
+                page = 2 * MiB if block.segment.small else 20 * MiB
+                touched = range(block.offset // page, -(-(block.offset + block.size) // page))
+                assert set(touched) <= allocator._mapped[block.segment.small]

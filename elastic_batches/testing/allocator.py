@@ -195,13 +195,14 @@ class CachingAllocator:
     def _map(self, block: Block, limit: int | None) -> bool:
         """Expandable: map the pages ``block`` touches; ``False`` when that would pass ``limit``."""
         small = block.segment.small
-        mapped, page = self._mapped[small], _page_size(small)
-        new = [index for index in _pages(block.offset, block.size, small) if index not in mapped]
+        page, pages = _page_size(small), _pages(block.offset, block.size, small)
+        new = [index for index in pages if index not in self._mapped[small]]
         if limit is not None and self.reserved_bytes + len(new) * page > limit:
-            self.empty_cache()
+            self.empty_cache()  # it may unmap pages of this block too (not live yet): counted again below
+            new = [index for index in pages if index not in self._mapped[small]]
             if self.reserved_bytes + len(new) * page > limit:
                 return False
-        mapped.update(new)
+        self._mapped[small].update(new)
         self.reserved_bytes += len(new) * page
         return True
 
