@@ -99,7 +99,8 @@ def _cuda() -> Device:
 def _stand_in(allocator: str) -> Device:
     from elastic_batches.testing import StandInCuda
 
-    cuda = StandInCuda(256 << 20, allocator="caching" if allocator == "default" else "expandable")
+    total = 256 << 20 if allocator == "default" else 1 << 30
+    cuda = StandInCuda(total, allocator="caching" if allocator == "default" else "expandable")
     return Device(cuda, torch.device("cuda", 0), torch.device("cpu"), cuda.total_bytes, lambda: cuda.budget)
 
 
@@ -108,6 +109,15 @@ class Sizes:
     rows: int
     width: int
     hidden: int
+
+
+GPU_SIZES = Sizes(rows=4096, width=1024, hidden=8192)
+# on the stand-in, per allocator: expandable segments map the large pool in 20 MiB pages, so its blocks must be
+# several pages (32 MiB activations here) for a cap between two splits' peaks to exist at all
+STAND_IN_SIZES = {
+    "default": Sizes(rows=2048, width=64, hidden=768),
+    "expandable": Sizes(rows=8192, width=64, hidden=2048),
+}
 
 
 def _model(dev: Device, sizes: Sizes) -> torch.nn.Module:
@@ -277,16 +287,18 @@ def _predicted(dev: Device, sizes: Sizes) -> dict[str, Any]:
         counts.append(controller.split_count)
         ooms.append(controller.oom_count)
     settled = next(i for i in range(len(counts)) if len(set(counts[i:])) == 1)
-    # check 4: a peak of the user's before a probed step survives it
+    # check 4: a peak of the user's before a probed step survives it (a step on an eighth of the batch peaks lower)
     module, index = dev.module, dev.index
     module.reset_peak_memory_stats(index)
     users = torch.empty(int((cap - rest) * 0.6) // 4, device=dev.tensors)
     user_peak = int(module.max_memory_allocated(index))
     del users
-    step.backward(batch, watch.loss_fn)
+    eighth = len(batch[0]) // 8
+    step.backward((batch[0][:eighth], batch[1][:eighth]), watch.loss_fn)
     model.zero_grad(set_to_none=True)
     peak_after = int(module.max_memory_allocated(index))
     # check 5: another process takes the device's free memory but what leaves this one a fifth less than its cap
+    module.empty_cache()  # what this process's cache holds, no other process can take
     capacity_before = probe.memory_reading().capacity
     with _another_process(dev, cap - int(module.memory_reserved(index)) - (cap - rest) // 5):
         capacity_then = probe.memory_reading().capacity
@@ -637,7 +649,7 @@ def _one(allocator: str, stand_in: bool) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = _stand_in(allocator) if stand_in else _cuda()
-    sizes = Sizes(rows=2048, width=64, hidden=768) if stand_in else Sizes(rows=4096, width=1024, hidden=8192)
+    sizes = STAND_IN_SIZES[allocator] if stand_in else GPU_SIZES
     checks, rows, record = run_checks(dev, sizes, allocator)
     print(table(["allocator", "what", "value"], rows))
     for name, ok in checks.items():
