@@ -29,7 +29,8 @@ the peak at ``k - 1``. Four policies side by side (``benchmarks/_policies.py``):
 (the memory model, the budget as the step's probe), ``search`` (the same controller without a
 margin: today's search), ``halving`` (Composer) and ``x0.9`` (Accelerate). Per case: the fewest
 microbatches whose balanced split fits (measured by running the splits), the OOMs spent until the
-count stopped changing, the settled count, and the OOMs after it. The predictor's targets: 0 OOMs
+count stopped changing, the settled count, and the OOMs after it; a policy that runs out of memory
+at its smallest microbatch ends its case there, shown as ``raised``. The predictor's targets: 0 OOMs
 until settled in at least 90% of the cases and at most 1 in every case; settled at most
 ``max(fewest + 1, 1.10 * fewest)`` microbatches, and no OOM after.
 
@@ -313,6 +314,7 @@ HEAVY_COUNTS = (1, 2, 3, 4, 8) if QUICK else (1, 2, 3, 4, 6, 8, 16)
 # --model large: tensors of 2 MiB a row (16 MiB at 8 rows), most blocks in segments of their own
 LARGE = DemoConfig(seq_len=512, vocab_size=64, dim=256, heads=2, layers=1)
 WIDENED: list[int] = []  # per predicted run: 1 if its margin grew
+RAISED = 0  # the count of a step that ran out of memory at the policy's smallest microbatch
 
 
 # --model gradients / activations: MLPs whose peak is mostly the gradient being accumulated (bytes per
@@ -392,12 +394,21 @@ def lm_cases() -> list[tuple[int, int, int, str]]:
 
 
 def _steps(policy: str, rows: int, limit: int, steps: int) -> tuple[list[int], list[int], Policy]:
-    """``policy`` trained ``steps`` steps on a batch of ``rows`` under ``limit``: each step's OOMs and count."""
+    """``policy`` trained ``steps`` steps on a batch of ``rows`` under ``limit``: each step's OOMs and count.
+
+    A policy that runs out of memory at its smallest microbatch raises (``ElasticOOMError``, or the
+    baselines' own OOM): that step counts one OOM and the count ``RAISED``, and the run ends there.
+    """
     model, batch = _lm(rows)
     runner = make(policy, model, lambda mb: _loss(model, mb), MemoryBudget(limit, allocator=ALLOCATOR))
     ooms, counts = [], []
     for _ in range(steps):
-        spent, count = runner.step(batch)
+        try:
+            spent, count = runner.step(batch)
+        except torch.OutOfMemoryError:
+            ooms.append(1)
+            counts.append(RAISED)
+            break
         ooms.append(spent)
         counts.append(count)
     return ooms, counts, runner
@@ -435,9 +446,11 @@ def lm_main() -> None:
         row: list[object] = [rows, kind, f"{limit / 2**20:.3f}", fewest]
         for policy in LM_POLICIES:
             to_settle, settled, after, counts = lm_run(policy, rows, limit)
-            within = settled <= max(fewest + 1, 1.1 * fewest)
-            summary.setdefault((policy, kind), []).append((to_settle, settled / fewest, after, within))
-            row += [to_settle, settled, after]
+            raised = settled == RAISED
+            within = not raised and settled <= max(fewest + 1, 1.1 * fewest)
+            ratio = math.inf if raised else settled / fewest
+            summary.setdefault((policy, kind), []).append((to_settle, ratio, after, within))
+            row += [to_settle, "raised" if raised else settled, after]
             record: dict[str, object] = {
                 "benchmark": "search_quality_lm",
                 "policy": policy,
@@ -447,6 +460,7 @@ def lm_main() -> None:
                 "fewest": fewest,
                 "ooms_until_settled": to_settle,
                 "settled_microbatches": settled,
+                "raised": raised,
                 "ooms_after_settled": after,
                 "microbatches_per_step": counts,
             }
@@ -525,7 +539,8 @@ def long_main() -> None:
                 "last_microbatches": counts[-1],
             }
         )
-        rows_out.append([rows, kind, f"{limit / 2**20:.3f}", fewest, ooms[0], after, late or "", counts[-1]])
+        last = "raised" if counts[-1] == RAISED else counts[-1]
+        rows_out.append([rows, kind, f"{limit / 2**20:.3f}", fewest, ooms[0], after, late or "", last])
     print(f"\npredicted, {_workload()} under MemoryBudget(allocator={ALLOCATOR!r}), {LONG_STEPS} steps a case")
     headers = ["B", "limit", "MiB", "fewest", "OOMs step 1", "OOMs after", "steps with an OOM after", "last mbs"]
     print(table(headers, rows_out))
