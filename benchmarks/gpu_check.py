@@ -434,7 +434,12 @@ def _throughput(dev: Device, sizes: Sizes, steps: int = 3) -> dict[str, Any]:
 
 def _hold(left: int, ready: Any, done: Any) -> None:  # pragma: no cover (a GPU child process)
     free, _ = torch.cuda.mem_get_info()  # after this process's own context took its share
-    held = torch.empty(max(0, free - left), dtype=torch.uint8, device="cuda")
+    size, held = free - left, None
+    while held is None and size > 0:  # the allocator rounds up (20 MiB pages when expandable): a page less each time
+        try:
+            held = torch.empty(size, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            size -= 20 << 20
     ready.set()
     done.wait()
     del held
