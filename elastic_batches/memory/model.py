@@ -347,9 +347,8 @@ class MemoryModel:
         if fell or (expected and increment > (1.0 + _GREW) * expected):
             self._later.clear()  # memory per microbatch fell or grew: what was measured before no longer holds
         if fell:  # the failures bound a larger need than there is now (when it grew, they still hold)
-            self._failures.clear()
-            self._kept.clear()
-            self._moved.clear()
+            for failed in list(self._failures):
+                self._forget(failed)
         points.pop(size, None)
         points[size] = increment
         while len(points) > (_FIRSTS if first else _SIZES):
@@ -445,9 +444,7 @@ class MemoryModel:
             if size in held and moved - origin <= origin and moved not in self._failures:  # a measuring attempt's
                 self._failures[moved], self._moved[moved] = free, origin
         self._fit()
-        kept = ""
-        if self._failures:
-            kept = f", {len(self._failures)} kept or moved up"
+        kept = f", {len(self._failures)} kept or moved up" if self._failures else ""
         logger.info(
             "memory model: %d batches without an OOM: margin %.0f%% -> %.0f%%, the failures learned forgotten%s",
             self.recover_after,
