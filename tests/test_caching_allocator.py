@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from elastic_batches.oom import release_memory
 from elastic_batches.testing import MemoryBudget
 from elastic_batches.testing.allocator import CachingAllocator, round_size, segment_size
 
+KiB = 1 << 10
 MiB = 1 << 20
 
 
@@ -81,6 +84,17 @@ def test_fragmentation_runs_out_of_memory_with_fewer_live_bytes_than_the_limit()
         with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 12\.00 MiB.*reserved by PyTorch but"):
             _mib(12)
     assert budget.oom_count == 1
+
+
+@pytest.mark.parametrize("allocator", ["caching", "expandable"])
+@pytest.mark.parametrize(
+    ("tensor", "reported"), [(512 * KiB, "2.00 MiB"), (3 * MiB, "20.00 MiB"), (11 * MiB, "12.00 MiB")]
+)
+def test_an_oom_says_the_segment_it_tried_to_reserve_as_cuda_does(allocator: str, tensor: int, reported: str) -> None:
+    # CUDA's "Tried to allocate" is the allocation size of the request's pool (get_allocation_size), not the tensor's.
+    budget = MemoryBudget(limit_bytes=1 * MiB, allocator=allocator)
+    with budget, pytest.raises(torch.OutOfMemoryError, match=rf"Tried to allocate {re.escape(reported)}\. GPU 0"):
+        torch.empty(tensor, dtype=torch.uint8)
 
 
 @pytest.mark.parametrize(("allocator", "fits"), [("caching", False), ("expandable", True)])

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from elastic_batches._state import is_int
 from elastic_batches.memory import MemoryProbe, MemoryReading
 from elastic_batches.memory.probe import SEGMENT_GRAIN
-from elastic_batches.testing.allocator import ALLOCATORS, Block, CachingAllocator
+from elastic_batches.testing.allocator import ALLOCATORS, Block, CachingAllocator, round_size, segment_size
 
 __all__ = ["MemoryBudget"]
 
@@ -333,8 +333,10 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
                         allocator.free(taken)
                 self._oom_count += 1
                 limit = self._limit or 0
+                # As CUDA's allocator, the size it tried to reserve: a segment (2 or 20 MiB), not the tensor's bytes.
+                reserving = segment_size(round_size(nbytes))
                 raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {_format_bytes(nbytes)}. GPU 0 has a total capacity of "
+                    f"CUDA out of memory. Tried to allocate {_format_bytes(reserving)}. GPU 0 has a total capacity of "
                     f"{_format_bytes(limit)} of which {_format_bytes(max(limit - allocator.reserved_bytes, 0))} is "
                     f"free. Of the allocated memory {_format_bytes(allocator.allocated_bytes)} is allocated by "
                     f"PyTorch, and {_format_bytes(allocator.reserved_bytes - allocator.allocated_bytes)} is reserved "
