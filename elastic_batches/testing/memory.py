@@ -333,7 +333,7 @@ class MemoryBudget(TorchDispatchMode, MemoryProbe):
                         allocator.free(taken)
                 self._oom_count += 1
                 limit = self._limit or 0
-                # As CUDA's allocator, the size it tried to reserve: a segment (2 or 20 MiB), not the tensor's bytes.
+                # As CUDA's message: the segment it tried to reserve (2 MiB, 20 MiB or rounded), not the tensor's bytes
                 reserving = segment_size(round_size(nbytes))
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {_format_bytes(reserving)}. GPU 0 has a total capacity of "
